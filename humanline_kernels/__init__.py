@@ -1,0 +1,24 @@
+"""humanline-kernels: fused kernels and cheap reference syncing for humanline DPO, KTO and GRPO.
+
+``import humanline_kernels as hk``; see README.md for the semantics and the three input levels.
+"""
+from __future__ import annotations
+
+from . import fused, losses, reference
+from ._clip import HumanlineClip
+from .fused import token_logprobs
+
+__version__ = "0.1.0"
+__all__ = ["HumanlineClip", "token_logprobs", "reference", "losses", "fused", "fused_linear", "ReferenceSyncer",
+           "integrations", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy: the syncer and the integrations pull in torch.distributed / transformers only when asked for.
+    if name == "ReferenceSyncer":
+        from .sync import ReferenceSyncer
+        return ReferenceSyncer
+    if name in ("fused_linear", "integrations", "sync"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

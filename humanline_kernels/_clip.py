@@ -1,0 +1,33 @@
+"""The humanline clip band and the argument checks that every input level shares."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["HumanlineClip", "DEFAULT_CLIP"]
+
+
+@dataclass(frozen=True)
+class HumanlineClip:
+    """Asymmetric clamp of each token's log-ratio ``log pi(y_t) - log pi_ref(y_t)`` to ``[log_eps_p, log_eps_r]``.
+
+    The defaults (-1.5, 1.5) are the paper's best setting for DPO, KTO and GRPO. (The authors' HALOs repository
+    defaults ``log_epsilon_P`` to -1.0.) The gradient is zero outside the band and passes at its ends, as with
+    ``torch.clamp``. Pass ``clip=None`` to a loss to turn clipping off.
+    """
+
+    log_eps_p: float = -1.5
+    log_eps_r: float = 1.5
+
+    def __post_init__(self):
+        for name in ("log_eps_p", "log_eps_r"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise ValueError(f"{name} must be a real number, got {v!r}")
+        if self.log_eps_p > self.log_eps_r:
+            raise ValueError(
+                f"log_eps_p must be <= log_eps_r, got log_eps_p={self.log_eps_p} > log_eps_r={self.log_eps_r}"
+            )
+
+
+DEFAULT_CLIP = HumanlineClip()

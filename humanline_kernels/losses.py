@@ -1,0 +1,173 @@
+"""Humanline DPO / KTO / GRPO from per-token log-probs (eager, any device, no host sync).
+
+This is the level for people who already have per-token log-probs (TRL, verl, HALOs). The math is the one of
+:mod:`humanline_kernels.reference`; it is factored here into the pieces that the fused paths reuse, so that the
+sequence-level math exists once:
+
+* :func:`clip_log_ratio` - the humanline clamp and the ``unclipped_frac`` counts;
+* :func:`dpo_from_sums`, :func:`kto_from_sums`, :func:`kto_baseline` - DPO/KTO from per-row clipped sums;
+* :func:`grpo_token_terms` and :func:`grpo_aggregate` - GRPO's per-token term and its four aggregations.
+
+The fused kernels compute the per-token part in one pass over the logits and hand the per-row (DPO/KTO) or
+per-token (GRPO) results to these functions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _validation as V
+from ._clip import DEFAULT_CLIP
+
+__all__ = ["dpo", "kto", "grpo", "clip_log_ratio", "dpo_from_sums", "kto_from_sums", "kto_baseline",
+           "grpo_token_terms", "grpo_aggregate"]
+
+
+def _frac(num, den):
+    """``num / den`` with 1.0 where ``den == 0`` (no tokens: nothing was clipped)."""
+    return torch.where(den > 0, num / den.clamp(min=1), torch.ones_like(num))
+
+
+def clip_log_ratio(logps, ref_logps, mask, clip):
+    """Return ``(Delta_hat, n_inside, n_tokens)``: the clamped log-ratio (0 where masked out), the number of masked
+    tokens strictly inside the band, and the number of masked tokens (both as tensors of ``logps.dtype``)."""
+    delta = logps - ref_logps
+    if clip is None:
+        clipped, inside = delta, mask
+    else:
+        clipped = torch.clamp(delta, clip.log_eps_p, clip.log_eps_r)
+        inside = mask & (delta > clip.log_eps_p) & (delta < clip.log_eps_r)
+    clipped = torch.where(mask, clipped, 0.0)
+    return clipped, inside.sum().to(logps.dtype), mask.sum().to(logps.dtype)
+
+
+def dpo_from_sums(s, *, beta, label_smoothing):
+    """DPO loss and reward metrics from the per-row clipped sums ``s [2P]`` (chosen rows first)."""
+    P = s.shape[0] // 2
+    chosen, rejected = s[:P], s[P:]
+    h = beta * (chosen - rejected)
+    loss = (-(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)).mean()
+    with torch.no_grad():
+        rc, rr = beta * chosen, beta * rejected
+        metrics = {
+            "rewards_chosen": rc.mean(),
+            "rewards_rejected": rr.mean(),
+            "reward_margin": (rc - rr).mean(),
+            "reward_accuracy": (rc > rr).to(s.dtype).mean(),
+        }
+    return loss, metrics
+
+
+@torch.no_grad()
+def kto_baseline(s_kl):
+    """KTO's ``z0 = max(0, sum(s_kl) / #{s_kl != 0})`` (0 with no non-zero row), all-reduced across ranks."""
+    total = torch.stack([s_kl.sum(), (s_kl != 0).sum().to(s_kl.dtype)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return torch.where(total[1] > 0, total[0] / total[1].clamp(min=1), 0.0).clamp(min=0.0)
+
+
+def kto_from_sums(s, z0, desirable, *, beta, desirable_weight, undesirable_weight):
+    """KTO loss and reward metrics from per-row clipped sums ``s [B]`` and the detached baseline ``z0``."""
+    loss_d = desirable_weight * (1.0 - torch.sigmoid(beta * (s - z0)))
+    loss_u = undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - s)))
+    loss = torch.where(desirable, loss_d, loss_u).mean()
+    with torch.no_grad():
+        r = beta * s
+        nd = desirable.sum().to(s.dtype).clamp(min=1)
+        nu = (~desirable).sum().to(s.dtype).clamp(min=1)
+        metrics = {
+            "kl": z0,
+            "rewards_desirable": torch.where(desirable, r, 0.0).sum() / nd,
+            "rewards_undesirable": torch.where(desirable, 0.0, r).sum() / nu,
+        }
+    return loss, metrics
+
+
+def grpo_token_terms(logps, clipped, kl_ref_logps, advantages, mask, *, beta, epsilon_low, epsilon_high):
+    """Per-token GRPO term ``L = u + beta * k3`` (0 where masked out) and the per-token k3 / clip indicators.
+
+    ``clipped`` is the clamped log-ratio against the ratio's reference; ``kl_ref_logps`` is the (unclipped)
+    reference of the k3 estimator.
+    """
+    A = advantages.to(logps.dtype).unsqueeze(-1)
+    ratio = torch.exp(clipped)
+    u = -torch.minimum(A * ratio, A * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
+    x = torch.where(mask, kl_ref_logps - logps, 0.0)
+    k3 = torch.exp(x) - x - 1.0
+    per_token = torch.where(mask, u + beta * k3 if beta != 0 else u, 0.0)
+    with torch.no_grad():
+        low = mask & (ratio < 1.0 - epsilon_low) & (A < 0)
+        high = mask & (ratio > 1.0 + epsilon_high) & (A > 0)
+    return per_token, k3.detach(), low, high
+
+
+def grpo_aggregate(per_token, mask, *, loss_type, normalizer, max_completion_length):
+    """GRPO aggregation of ``per_token [B, T]`` (already 0 where masked out) by ``loss_type``."""
+    B, T = per_token.shape
+    if loss_type in ("dapo", "bnpo"):
+        den = mask.sum().to(per_token.dtype).clamp(min=1) if normalizer is None else normalizer
+        return per_token.sum() / den
+    if loss_type == "grpo":
+        row_n = mask.sum(dim=1).to(per_token.dtype)
+        row_mean = per_token.sum(dim=1) / row_n.clamp(min=1)
+        return row_mean.sum() / (row_n > 0).sum().to(per_token.dtype).clamp(min=1)
+    return per_token.sum() / (B * (T if max_completion_length is None else max_completion_length))
+
+
+def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0):
+    """Humanline DPO from ``[2P, T]`` log-probs; returns ``(loss, metrics)``. See :mod:`humanline_kernels.reference`."""
+    V.check_logps(logps, ref_logps, mask)
+    V.check_dpo_rows(logps.shape[0])
+    V.check_common(clip=clip, beta=beta)
+    V.check_dpo_args(label_smoothing)
+    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, clip)
+    loss, metrics = dpo_from_sums(clipped.sum(dim=1), beta=beta, label_smoothing=label_smoothing)
+    metrics["unclipped_frac"] = _frac(n_in, n).detach()
+    return loss, metrics
+
+
+def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
+        clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
+    """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0``."""
+    V.check_logps(logps, ref_logps, mask)
+    V.check_common(clip=clip, beta=beta)
+    V.check_kto_args(logps.shape[0], logps.device, desirable, kl_logps, kl_ref_logps, kl_mask,
+                     desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, clip)
+    s = clipped.sum(dim=1)
+    with torch.no_grad():
+        if kl_logps is None:
+            s_kl = s.new_zeros(0)
+        else:
+            s_kl = clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(s.dtype)
+    loss, metrics = kto_from_sums(s, kto_baseline(s_kl), desirable, beta=beta, desirable_weight=desirable_weight,
+                                  undesirable_weight=undesirable_weight)
+    metrics["unclipped_frac"] = _frac(n_in, n).detach()
+    return loss, metrics
+
+
+def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
+         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None):
+    """Humanline GRPO from ``[B, T]`` log-probs and ``advantages [B]``; returns ``(loss, metrics)``."""
+    V.check_logps(logps, ref_logps, mask)
+    V.check_common(clip=clip, beta=beta)
+    V.check_grpo_args(logps.shape[0], logps.device, advantages, epsilon_low=epsilon_low,
+                      epsilon_high=epsilon_high, loss_type=loss_type, normalizer=normalizer,
+                      max_completion_length=max_completion_length)
+    if kl_ref_logps is not None:
+        V.check_tensor("kl_ref_logps", kl_ref_logps, shape=logps.shape, dtypes=(logps.dtype,), device=logps.device)
+    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, clip)
+    per_token, k3, low, high = grpo_token_terms(
+        logps, clipped, ref_logps if kl_ref_logps is None else kl_ref_logps, advantages, mask,
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+    loss = grpo_aggregate(per_token, mask, loss_type=loss_type, normalizer=normalizer,
+                          max_completion_length=max_completion_length)
+    den = n.clamp(min=1)
+    metrics = {
+        "unclipped_frac": _frac(n_in, n).detach(),
+        "kl": torch.where(mask, k3, 0.0).sum() / den,
+        "clip_frac_low": low.sum().to(n.dtype) / den,
+        "clip_frac_high": high.sum().to(n.dtype) / den,
+    }
+    return loss, metrics

@@ -1,0 +1,70 @@
+r"""Chunked eager log-prob forward/backward: the CPU fallback of the Triton kernels, same signatures.
+
+Forward, per row with logits ``z`` and label ``y``: ``lse = logsumexp(z / T)``, ``logp = z_y / T - lse`` and
+optionally ``entropy = lse - sum(softmax(z / T) * z / T)``. Backward: ``dz = g * (onehot(y) - softmax(z / T)) / T``.
+Rows are processed in chunks so no fp32 copy of the whole logits tensor is ever built (at most ``chunk_bytes``).
+
+Inputs are canonical 3-D views ``logits [B, T, V]`` (any batch/row strides, last stride 1), ``labels [B, T]``.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 64 << 20
+
+
+def _chunks(B, T, V, chunk_bytes):
+    """Yield ``(b0, b1, t0, t1)`` blocks of at most ``chunk_bytes`` fp32 logits (at least one row)."""
+    rows = max(1, chunk_bytes // (4 * V))
+    if rows >= T:
+        nb = max(1, rows // max(T, 1))
+        for b0 in range(0, B, nb):
+            yield b0, min(B, b0 + nb), 0, T
+    else:
+        for b in range(B):
+            for t0 in range(0, T, rows):
+                yield b, b + 1, t0, min(T, t0 + rows)
+
+
+def _acc_dtype(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, chunk_bytes=CHUNK_BYTES):
+    """Return ``(logp [B, T], lse [B, T], entropy [B, T] or None)`` in fp32 (fp64 for fp64 logits)."""
+    B, T, V = logits.shape
+    dt = _acc_dtype(logits)
+    logp = torch.zeros(B, T, dtype=dt, device=logits.device)
+    lse = torch.zeros(B, T, dtype=dt, device=logits.device)
+    ent = torch.zeros(B, T, dtype=dt, device=logits.device) if return_entropy else None
+    for b0, b1, t0, t1 in _chunks(B, T, V, chunk_bytes):
+        z = logits[b0:b1, t0:t1].to(dt) / temperature
+        lab = labels[b0:b1, t0:t1]
+        valid = lab != ignore_index
+        c_lse = torch.logsumexp(z, dim=-1)
+        zy = z.gather(-1, torch.where(valid, lab, 0).unsqueeze(-1)).squeeze(-1)
+        logp[b0:b1, t0:t1] = torch.where(valid, zy - c_lse, 0.0)
+        lse[b0:b1, t0:t1] = c_lse
+        if ent is not None:
+            p = torch.exp(z - c_lse.unsqueeze(-1))
+            # sum(p * z) with p == 0 where z == -inf must not give NaN
+            pz = torch.where(p > 0, p * z, 0.0).sum(-1)
+            ent[b0:b1, t0:t1] = torch.where(valid, c_lse - pz, 0.0)
+    return logp, lse, ent
+
+
+def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, chunk_bytes=CHUNK_BYTES):
+    """Return ``dlogits`` (dtype of ``logits``); written into ``out`` when given (``out`` may be ``logits``)."""
+    B, T, V = logits.shape
+    dt = _acc_dtype(logits)
+    if out is None:
+        out = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
+    for b0, b1, t0, t1 in _chunks(B, T, V, chunk_bytes):
+        z = logits[b0:b1, t0:t1].to(dt) / temperature
+        lab = labels[b0:b1, t0:t1]
+        valid = lab != ignore_index
+        g = torch.where(valid, grad_logp[b0:b1, t0:t1].to(dt), 0.0)
+        d = torch.exp(z - lse[b0:b1, t0:t1].unsqueeze(-1).to(dt)) * (-g).unsqueeze(-1)
+        d.scatter_add_(-1, torch.where(valid, lab, 0).unsqueeze(-1), g.unsqueeze(-1))
+        out[b0:b1, t0:t1] = d / temperature
+    return out
