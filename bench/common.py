@@ -1,0 +1,111 @@
+"""Shared benchmark helpers: timing, peak memory, copy-bandwidth floor, environment record, JSON/PNG/table output.
+
+Timings are medians of ``triton.testing.do_bench`` on CUDA; on CPU (smoke runs only) a plain median of wall times.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def env_info() -> dict:
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception:
+        info["triton"] = None
+    for mod in ("liger_kernel", "quack", "trl", "cut_cross_entropy"):
+        try:
+            m = __import__(mod)
+            info[mod] = getattr(m, "__version__", "installed")
+        except Exception:
+            info[mod] = None
+    return info
+
+
+def time_ms(fn, *, warmup=25, rep=100) -> float:
+    """Median milliseconds of ``fn()``."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(max(3, min(rep // 10, 10))):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn) -> int | None:
+    """Peak CUDA memory allocated by ``fn()`` beyond what was allocated before it (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def copy_bandwidth_bytes_per_ms(nbytes=1 << 30, device=None) -> float:
+    """Device copy bandwidth (bytes read + written per ms) of a plain ``dst.copy_(src)``, measured now."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms
+
+
+def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None = None, y: str = "ratio_to_floor",
+         series: str = "impl") -> str:
+    """Print ``rows`` as a table and write ``out_dir/name.json`` and (if matplotlib is there) ``name.png``."""
+    os.makedirs(out_dir, exist_ok=True)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    widths = {k: max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys}
+    print("  ".join(k.ljust(widths[k]) for k in keys))
+    for r in rows:
+        print("  ".join(_fmt(r.get(k)).ljust(widths[k]) for k in keys))
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"env": env_info(), "meta": meta, "rows": rows}, f, indent=2)
+    if x is not None:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except Exception:
+            return path
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for s in dict.fromkeys(r.get(series) for r in rows):
+            pts = [(r[x], r[y]) for r in rows if r.get(series) == s and r.get(y) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=str(s))
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.set_title(f"{name} ({env_info()['device']})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
+        plt.close(fig)
+    return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
