@@ -32,9 +32,11 @@ class _TokenLogprobs(torch.autograd.Function):
         logp, lse, ent = ops.logprobs_fwd(l3, y3, temperature, ignore_index, return_entropy)
         ctx.save_for_backward(logits, labels, lse)
         ctx.cfg = (temperature, ignore_index, inplace_backward)
-        ctx.mark_non_differentiable(*(() if ent is None else (ent,)))
         logp = logp.view(labels.shape)
-        return logp, (None if ent is None else ent.view(labels.shape))
+        if ent is not None:
+            ent = ent.view(labels.shape)
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):
