@@ -1,7 +1,7 @@
 r"""Chunked eager log-prob forward/backward: the CPU fallback of the Triton kernels, same signatures.
 
 Forward, per row with logits ``z`` and label ``y``: ``lse = logsumexp(z / T)``, ``logp = z_y / T - lse`` and
-optionally ``entropy = lse - sum(softmax(z / T) * z / T)``. Backward: ``dz = g * (onehot(y) - softmax(z / T)) / T``.
+optionally ``entropy = -sum(q log q)`` with ``q = softmax(z / T)``. Backward: ``dz = g * (onehot(y) - softmax(z / T)) / T``.
 Rows are processed in chunks so no fp32 copy of the whole logits tensor is ever built (at most ``chunk_bytes``).
 
 Inputs are canonical 3-D views ``logits [B, T, V]`` (any batch/row strides, last stride 1), ``labels [B, T]``.
@@ -46,10 +46,10 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, chun
         logp[b0:b1, t0:t1] = torch.where(valid, zy - c_lse, 0.0)
         lse[b0:b1, t0:t1] = c_lse
         if ent is not None:
-            p = torch.exp(z - c_lse.unsqueeze(-1))
-            # sum(p * z) with p == 0 where z == -inf must not give NaN
-            pz = torch.where(p > 0, p * z, 0.0).sum(-1)
-            ent[b0:b1, t0:t1] = torch.where(valid, c_lse - pz, 0.0)
+            logq = z - c_lse.unsqueeze(-1)
+            # -sum(p log p) rather than lse - sum(p z): no cancellation; p == 0 (z == -inf) adds 0, not NaN
+            h = -torch.where(logq > -float("inf"), torch.exp(logq) * logq, 0.0).sum(-1)
+            ent[b0:b1, t0:t1] = torch.where(valid, h, 0.0)
     return logp, lse, ent
 
 
