@@ -1,0 +1,58 @@
+"""KTO's KL baseline is all-reduced (sum and count) across ranks: gloo, world size 2, spawned processes."""
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import humanline_kernels as hk
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kl_rows(rank):
+    # rank 0: row sums 0.6 and 0 (the zero row does not count); rank 1: row sum 0.9 -> z0 = (0.6 + 0.9) / 2
+    if rank == 0:
+        kl = torch.tensor([[0.4, 0.2], [0.0, 0.0]], dtype=torch.float64)
+    else:
+        kl = torch.tensor([[0.5, 0.4]], dtype=torch.float64)
+    return kl, torch.zeros_like(kl), torch.ones_like(kl, dtype=torch.bool)
+
+
+def _worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        logps = torch.tensor([[-1.0, -0.5]], dtype=torch.float64)
+        ref = torch.tensor([[-1.2, -0.4]], dtype=torch.float64)
+        mask = torch.ones(1, 2, dtype=torch.bool)
+        des = torch.tensor([rank == 0])
+        res = []
+        for level in (hk.reference, hk.losses):
+            loss, m = level.kto(logps, ref, mask, des, *_kl_rows(rank), beta=0.5)
+            res.append((loss.item(), m["kl"].item()))
+        out[rank] = res
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kto_kl_baseline_all_reduced_world_size_2():
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        out = dict(out)
+    for rank in (0, 1):
+        for loss, kl in out[rank]:
+            assert abs(kl - 0.75) < 1e-12
+            s = 0.1  # clipped sum of (logps - ref) = 0.2 - 0.1
+            sig = torch.sigmoid(torch.tensor(0.5 * ((s - 0.75) if rank == 0 else (0.75 - s)), dtype=torch.float64))
+            assert abs(loss - (1 - sig.item())) < 1e-12
+    # single process: only the local rows count
+    _, m = hk.losses.kto(torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64),
+                         torch.ones(1, 2, dtype=torch.bool), torch.tensor([True]), *_kl_rows(0))
+    assert abs(m["kl"].item() - 0.6) < 1e-12
