@@ -46,6 +46,7 @@ class _TokenLogprobs(torch.autograd.Function):
         g3 = grad_logp.reshape(y3.shape)
         if inplace:
             ops.logprobs_bwd(l3, y3, lse, g3, temperature, ignore_index, out=l3)
+            torch.autograd.graph.increment_version(logits)  # a later use of the old logits must fail loudly
             dlogits = logits
         else:
             dlogits = ops.logprobs_bwd(l3, y3, lse, g3, temperature, ignore_index).view(logits.shape)

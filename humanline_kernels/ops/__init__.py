@@ -27,9 +27,22 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 
 
+def _triton_ok(logits: torch.Tensor) -> bool:
+    # fp64 has no Triton path (the eager one accumulates in fp64)
+    return logits.dtype != torch.float64 and use_triton(logits)
+
+
 def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
+    """``(logp [B, T] fp32, lse [B, T] fp32, entropy [B, T] or None)`` of ``logits [B, T, V]`` / ``labels [B, T]``."""
+    if _triton_ok(logits):
+        from . import logprobs
+        return logprobs.logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy)
     return eager.logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy)
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None):
+    """``dlogits = g * (onehot - softmax) / temperature`` in the logits' dtype; into ``out`` (may be ``logits``)."""
+    if _triton_ok(logits):
+        from . import logprobs
+        return logprobs.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)
     return eager.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)

@@ -1,0 +1,171 @@
+r"""Triton kernels for selected-token log-probs: online softmax forward, recomputing backward.
+
+One program per row ``r`` of a canonical view ``logits [B, T, V]`` (row ``r -> (b, t) = (r // T, r % T)``, any
+batch/row strides, last stride 1, int64 offsets so ``N * V`` may pass 2^31). With ``z = logits / T_temp``:
+
+* forward: one sweep over ``V`` in fp32 blocks keeps a running max ``m`` and sum ``d = sum exp(z - m)``
+  (and ``s = sum exp(z - m) z`` for the entropy); ``lse = m + log d``, ``logp = z_y - lse``,
+  ``entropy = lse - s / d``. Only ``lse`` (4 bytes a row) is kept for the backward.
+* backward: ``dz = g * (onehot(y) - exp(z - lse)) / T_temp``, written in the logits' dtype into ``out``
+  (which may be the logits' own storage: each block is read before it is overwritten by the same program).
+
+Ignored rows (``y == ignore_index``) get ``logp = entropy = 0`` and an all-zero gradient row.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+
+def block_config(V: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` for a vocabulary of ``V``: large blocks on GPU, small ones in the interpreter."""
+    if device.type == "cuda":
+        return min(triton.next_power_of_2(V), 4096), 8
+    return min(triton.next_power_of_2(V), 128), 1
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on ``t``'s GPU even when another one is current."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@triton.jit
+def _row_base(ptr, r, T, s_b, s_t):
+    """Pointer to row ``r`` of a ``[B, T, ...]`` view with strides ``(s_b, s_t)``, in int64."""
+    r64 = r.to(tl.int64)
+    return ptr + (r64 // T) * s_b + (r64 % T) * s_t
+
+
+@triton.jit
+def _row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
+    """Online softmax over one row: ``(lse, sum p*z)`` of ``z = x * inv_t`` (second is 0 without ENTROPY)."""
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    d = 0.0
+    s = 0.0
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        z = tl.load(base + c, mask=c < V, other=-float("inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, 0))
+        # a row (or prefix) of -inf keeps m == -inf: shift by 0 instead so exp() gives 0, not NaN
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        e = tl.exp(z - m_safe)
+        d = d * alpha + tl.sum(e, 0)
+        if ENTROPY:
+            s = s * alpha + tl.sum(e * tl.where(e > 0, z, 0.0), 0)  # 0 * -inf would be NaN
+        m = m_new
+    lse = m + tl.log(d)
+    return lse, s / d
+
+
+@triton.jit
+def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr):
+    """Write ``g * (onehot(y) - exp(z - lse)) * inv_t`` for one row into ``out_base`` (may equal ``base``)."""
+    cols = tl.arange(0, BLOCK_V)
+    gs = g * inv_t
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32) * inv_t
+        p = tl.exp(z - lse)
+        dz = gs * (tl.where(c == y, 1.0, 0.0) - p)
+        tl.store(out_base + c, dz.to(out_base.dtype.element_ty), mask=c < V)
+
+
+@triton.jit
+def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
+    cols = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        tl.store(out_base + c, tl.zeros([BLOCK_V], dtype=out_base.dtype.element_ty), mask=c < V)
+
+
+@triton.jit
+def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, T, V, inv_t,
+                         ignore_index, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
+    r = tl.program_id(0)
+    base = _row_base(x_ptr, r, T, x_sb, x_st)
+    y = tl.load(_row_base(y_ptr, r, T, y_sb, y_st))
+    valid = y != ignore_index
+    lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
+    zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32) * inv_t
+    tl.store(logp_ptr + r, tl.where(valid, zy - lse, 0.0))
+    tl.store(lse_ptr + r, lse)
+    if ENTROPY:
+        tl.store(ent_ptr + r, tl.where(valid, lse - pz, 0.0))
+
+
+@triton.jit
+def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, o_ptr, o_sb, o_st, T, V, inv_t,
+                         ignore_index, BLOCK_V: tl.constexpr):
+    r = tl.program_id(0)
+    base = _row_base(x_ptr, r, T, x_sb, x_st)
+    out_base = _row_base(o_ptr, r, T, o_sb, o_st)
+    y = tl.load(_row_base(y_ptr, r, T, y_sb, y_st))
+    if y != ignore_index:
+        _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + r), tl.load(g_ptr + r).to(tl.float32), inv_t,
+                        BLOCK_V)
+    else:
+        _row_zero(out_base, V, BLOCK_V)
+
+
+@triton.jit
+def _scale_rows_kernel(x_ptr, x_sb, x_st, s_ptr, T, V, BLOCK_V: tl.constexpr):
+    """``x *= s`` in place, skipped on the device when ``s == 1`` (no host sync to find out)."""
+    s = tl.load(s_ptr).to(tl.float32)
+    if s != 1.0:
+        base = _row_base(x_ptr, tl.program_id(0), T, x_sb, x_st)
+        cols = tl.arange(0, BLOCK_V)
+        for v0 in range(0, V, BLOCK_V):
+            c = v0 + cols
+            x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+            tl.store(base + c, (x * s).to(base.dtype.element_ty), mask=c < V)
+
+
+def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
+    """Triton version of :func:`humanline_kernels.ops.eager.logprobs_fwd` (same signature and results)."""
+    B, T, V = logits.shape
+    logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if return_entropy else None
+    if B * T == 0:
+        return logp, lse, ent
+    block, warps = block_config(V, logits.device)
+    with device_guard(logits):
+        _logprobs_fwd_kernel[(B * T,)](
+            logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1), logp, lse,
+            logp if ent is None else ent, T, V, 1.0 / temperature, ignore_index, BLOCK_V=block,
+            ENTROPY=bool(return_entropy), num_warps=warps)
+    return logp, lse, ent
+
+
+def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None):
+    """Triton version of :func:`humanline_kernels.ops.eager.logprobs_bwd`; ``out`` may be ``logits`` itself."""
+    B, T, V = logits.shape
+    if out is None:
+        out = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
+    if B * T == 0:
+        return out
+    block, warps = block_config(V, logits.device)
+    g = grad_logp.reshape(B, T).contiguous()
+    with device_guard(logits):
+        _logprobs_bwd_kernel[(B * T,)](
+            logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1),
+            lse.contiguous(), g, out, out.stride(0), out.stride(1), T, V, 1.0 / temperature, ignore_index,
+            BLOCK_V=block, num_warps=warps)
+    return out
+
+
+def scale_rows_(x, scale):
+    """``x [B, T, V] *= scale`` (0-d tensor) in place; a no-op on the device when ``scale == 1``."""
+    B, T, V = x.shape
+    if B * T == 0:
+        return x
+    block, warps = block_config(V, x.device)
+    with device_guard(x):
+        _scale_rows_kernel[(B * T,)](x, x.stride(0), x.stride(1), scale.reshape(1), T, V, BLOCK_V=block,
+                                     num_warps=warps)
+    return x
