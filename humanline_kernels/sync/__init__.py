@@ -1,0 +1,4 @@
+"""Humanline reference syncing: in-place, rank-local policy -> reference copy (see docs/sync.md)."""
+from ._syncer import ReferenceSyncer
+
+__all__ = ["ReferenceSyncer"]

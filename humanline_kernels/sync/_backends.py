@@ -1,0 +1,292 @@
+"""Backends: find the rank-local (reference, policy) tensor pairs for each way a model can be wrapped.
+
+* plain module, DDP, DeepSpeed ZeRO-0/1/2: every rank holds full module parameters -> parameter to parameter.
+* FSDP2 (``fully_shard``): each parameter's ``DTensor`` local shard. Sharding is per parameter (dim 0, by the
+  mesh size), so it does not depend on how modules were grouped. Every FSDP module of the reference is
+  resharded first: groups not resharded after a no-grad forward (the root by default,
+  ``reshard_after_forward=False``) would otherwise reuse their stale all-gathered copy.
+* FSDP1: each unit's ``flat_param._local_shard``; both models must use the same auto-wrap policy,
+  ``use_orig_params`` and strategy. Unsharded params that FSDP1 retains after a no-grad forward (root unit,
+  SHARD_GRAD_OP) are freed first, or the next reference forward would reuse them.
+* ZeRO-3: each parameter's local partition ``ds_tensor``, plus the full data of persistent small params.
+Buffers are copied in full in every backend. Pairs are checked once (names, shapes, placements, dtypes) and
+re-resolved at every sync, so a replaced ``_local_tensor``/``.data`` (``.to()``, ``load_state_dict``) is seen.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Pairs:
+    """Named (reference, policy) tensor getters plus a ``prepare`` hook run before each resolve."""
+
+    def __init__(self, backend: str, prepare=None):
+        self.backend = backend
+        self.names: list[str] = []
+        self.getters: list = []  # (get_dst, get_src, is_buffer)
+        self.prepare = prepare
+
+    def add(self, name, get_dst, get_src, buffer=False):
+        self.names.append(name)
+        self.getters.append((get_dst, get_src, buffer))
+
+    def resolve(self, buffers: bool):
+        """Current (dsts, srcs) of the parameters (or of the buffers); ``None`` if the structure changed."""
+        if self.prepare is not None and not buffers:
+            self.prepare()
+        dsts, srcs = [], []
+        for gd, gs, b in self.getters:
+            if b != buffers:
+                continue
+            d, s = gd(), gs()
+            if d is None or s is None or d.shape != s.shape:
+                return None
+            dsts.append(d)
+            srcs.append(s)
+        return dsts, srcs
+
+
+def _unwrap(m: nn.Module) -> nn.Module:
+    """Strip DDP / DeepSpeedEngine / torch.compile wrappers (not FSDP: its layout is what we copy)."""
+    while True:
+        if isinstance(m, nn.parallel.DistributedDataParallel) or type(m).__name__ in ("DeepSpeedEngine",
+                                                                                       "PipelineEngine"):
+            m = m.module
+        elif hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):
+            m = m._orig_mod
+        else:
+            return m
+
+
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _getter(store, name):
+    return lambda: (lambda t: None if t is None else _local(t))(store.get(name))
+
+
+def _fsdp1_cls():
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        return FullyShardedDataParallel
+    except ImportError:
+        return None
+
+
+def _fsdp2_cls():
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        return FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+            return FSDPModule
+        except ImportError:
+            return None
+
+
+def detect(model: nn.Module) -> str:
+    outer = model
+    model = _unwrap(model)
+    f1, f2 = _fsdp1_cls(), _fsdp2_cls()
+    if f1 is not None and any(isinstance(m, f1) for m in model.modules()):
+        return "fsdp1"
+    if f2 is not None and any(isinstance(m, f2) for m in model.modules()):
+        return "fsdp2"
+    if any(hasattr(p, "ds_tensor") for p in model.parameters()):
+        return "zero3"
+    if isinstance(outer, nn.parallel.DistributedDataParallel):
+        return "ddp"
+    if type(outer).__name__ == "DeepSpeedEngine":
+        return "zero"
+    return "plain"
+
+
+def _mismatch(what: str) -> ValueError:
+    return ValueError(f"ReferenceSyncer: policy and reference are not wrapped identically: {what}. Wrap both "
+                      "models the same way (same architecture, sharding/auto-wrap policy, mesh).")
+
+
+def _check_pair(name, d, s):
+    if d.shape != s.shape:
+        raise _mismatch(f"{name!r} has local shape {tuple(d.shape)} in the reference and {tuple(s.shape)} in "
+                        "the policy")
+    if d.dtype != s.dtype and not (d.dtype.is_floating_point and s.dtype.is_floating_point):
+        raise _mismatch(f"{name!r} has dtype {d.dtype} in the reference and {s.dtype} in the policy")
+    dp, sp = getattr(d, "placements", None), getattr(s, "placements", None)
+    if dp != sp:
+        raise _mismatch(f"{name!r} has placements {dp} in the reference and {sp} in the policy")
+    dm, sm = getattr(d, "device_mesh", None), getattr(s, "device_mesh", None)
+    if (dm is None) != (sm is None) or (dm is not None and tuple(dm.shape) != tuple(sm.shape)):
+        raise _mismatch(f"{name!r} lives on different device meshes")
+
+
+def _add_named(pairs: Pairs, rmod: nn.Module, pmod: nn.Module, kind: str, skip=lambda name, t: False):
+    """Parameters (kind 'p') or buffers ('b') matched by qualified name, resolved through the owning module."""
+    def entries(m):
+        out = []
+        for mname, sub in m.named_modules(remove_duplicate=False):
+            store = sub._parameters if kind == "p" else sub._buffers
+            for a, t in store.items():
+                if t is not None:
+                    out.append((f"{mname}.{a}" if mname else a, store, a, t))
+        seen, uniq = set(), []
+        for e in out:  # tied tensors appear once, under their first name
+            if id(e[3]) not in seen:
+                seen.add(id(e[3]))
+                uniq.append(e)
+        return [e for e in uniq if not skip(e[0], e[3])]
+
+    re_, pe = entries(rmod), entries(pmod)
+    rn, pn = [e[0] for e in re_], [e[0] for e in pe]
+    if rn != pn:
+        missing = sorted(set(pn) - set(rn))[:3]
+        extra = sorted(set(rn) - set(pn))[:3]
+        what = "parameters" if kind == "p" else "buffers"
+        raise _mismatch(f"{what} differ (in policy only: {missing}, in reference only: {extra}, "
+                        f"counts {len(pn)} vs {len(rn)})")
+    for (name, rs, ra, rt), (_, ps, pa, pt) in zip(re_, pe):
+        _check_pair(name, rt, pt)
+        pairs.add(name, _getter(rs, ra), _getter(ps, pa), buffer=kind == "b")
+
+
+def _collect_plain(pairs, ref, pol):
+    _add_named(pairs, ref, pol, "p")
+    _add_named(pairs, ref, pol, "b")
+
+
+def _collect_fsdp2(pairs, ref, pol):
+    cls = _fsdp2_cls()
+    rmods = [m for m in ref.modules() if isinstance(m, cls)]
+    pmods = [m for m in pol.modules() if isinstance(m, cls)]
+    if len(rmods) != len(pmods):
+        raise _mismatch(f"{len(pmods)} FSDP2 modules in the policy, {len(rmods)} in the reference")
+
+    def fsdp_params(m):
+        st = m._get_fsdp_state()
+        groups = getattr(st, "_fsdp_param_groups", None)
+        if groups is None:
+            g = st._fsdp_param_group
+            groups = [g] if g is not None else []
+        return [fp for g in groups for fp in g.fsdp_params]
+
+    rnames = {id(m): n for n, m in ref.named_modules(remove_duplicate=False)}
+    managed = set()
+    for rm, pm in zip(rmods, pmods):
+        rfps, pfps = fsdp_params(rm), fsdp_params(pm)
+        if len(rfps) != len(pfps):
+            raise _mismatch(f"an FSDP2 group holds {len(pfps)} params in the policy and {len(rfps)} in the reference")
+        for rfp, pfp in zip(rfps, pfps):
+            ri, pi = rfp._module_info, pfp._module_info
+            mname = rnames.get(id(ri.module), "?")
+            name = f"{mname}.{ri.param_name}" if mname else ri.param_name
+            if ri.param_name != pi.param_name:
+                raise _mismatch(f"FSDP2 parameter {name!r} is paired with {pi.param_name!r}")
+            _check_pair(name, rfp.sharded_param, pfp.sharded_param)
+            _check_pair(name, rfp.sharded_param._local_tensor, pfp.sharded_param._local_tensor)
+            if tuple(rfp._orig_size) != tuple(pfp._orig_size):
+                raise _mismatch(f"{name!r} has shape {tuple(rfp._orig_size)} in the reference and "
+                                f"{tuple(pfp._orig_size)} in the policy")
+            managed.add(name)
+            for fp in (rfp, pfp):
+                managed.add(id(fp.sharded_param))
+                up = getattr(fp, "_unsharded_param", None)
+                if up is not None:
+                    managed.add(id(up))
+            pairs.add(name, lambda fp=rfp: fp.sharded_param._local_tensor,
+                      lambda fp=pfp: fp.sharded_param._local_tensor)
+    _add_named(pairs, ref, pol, "p", skip=lambda n, t: n in managed or id(t) in managed)  # ignored params
+    _add_named(pairs, ref, pol, "b")
+
+    def prepare():
+        for m in rmods:  # FSDPModule.reshard is not recursive: drop every stale unsharded copy
+            m.reshard()
+    pairs.prepare = prepare
+
+
+def _collect_fsdp1(pairs, ref, pol):
+    from torch.distributed.fsdp._flat_param import FlatParameter
+    cls = _fsdp1_cls()
+    rmods, pmods = cls.fsdp_modules(ref), cls.fsdp_modules(pol)
+    if len(rmods) != len(pmods):
+        raise _mismatch(f"{len(pmods)} FSDP1 units in the policy, {len(rmods)} in the reference")
+    managed, handles = set(), []
+
+    def shard(fp):
+        # _local_shard appears at lazy init (first forward) and aliases .data while sharded; before that the
+        # sharded flat param's .data is the local shard
+        return getattr(fp, "_local_shard", None) if hasattr(fp, "_local_shard") else fp.data
+
+    for i, (rm, pm) in enumerate(zip(rmods, pmods)):
+        rh, ph = rm._handle, pm._handle
+        if (rh is None) != (ph is None):
+            raise _mismatch(f"FSDP1 unit {i} has parameters in only one model")
+        if rh is None:
+            continue
+        rf, pf = rh.flat_param, ph.flat_param
+        name = f"flat_param[{i}]({', '.join(rf._fqns[:2])}{', ...' if len(rf._fqns) > 2 else ''})"
+        if tuple(rf._fqns) != tuple(pf._fqns) or [tuple(s) for s in rf._shapes] != [tuple(s) for s in pf._shapes]:
+            raise _mismatch(f"FSDP1 unit {i} flattens different parameters ({pf._fqns} vs {rf._fqns})")
+        if rh.uses_sharded_strategy != ph.uses_sharded_strategy or rf.numel() != pf.numel():
+            raise _mismatch(f"FSDP1 unit {i} is sharded differently")
+        _check_pair(name, shard(rf), shard(pf))
+        if rh.uses_sharded_strategy:
+            handles.append(rh)
+        for fp in (rf, pf):
+            managed.add(id(fp))
+            for p in list(getattr(fp, "_params", None) or []) + list(getattr(fp, "_shared_params", None) or []):
+                managed.add(id(p))
+        pairs.add(name, lambda fp=rf: shard(fp), lambda fp=pf: shard(fp))
+    _add_named(pairs, ref, pol, "p", skip=lambda n, t: isinstance(t, FlatParameter) or id(t) in managed)
+    _add_named(pairs, ref, pol, "b")
+
+    def prepare():
+        for h in handles:  # free unsharded params retained after the reference's no-grad forward
+            fpp = getattr(h.flat_param, "_full_param_padded", None)
+            if fpp is not None and fpp.untyped_storage().size() > 0:
+                h.reshard(True)
+                h.post_reshard()
+    pairs.prepare = prepare
+
+
+def _collect_zero3(pairs, ref, pol):
+    rp = list(ref.named_parameters())
+    pp = list(pol.named_parameters())
+    if [n for n, _ in rp] != [n for n, _ in pp]:
+        raise _mismatch("parameter names differ")
+    for (name, r), (_, p) in zip(rp, pp):
+        if not (hasattr(r, "ds_tensor") and hasattr(p, "ds_tensor")):
+            raise _mismatch(f"{name!r} is ZeRO-3 partitioned in only one model")
+        if tuple(r.ds_shape) != tuple(p.ds_shape):
+            raise _mismatch(f"{name!r} has shape {tuple(r.ds_shape)} in the reference and {tuple(p.ds_shape)} "
+                            "in the policy")
+        _check_pair(name, r.ds_tensor, p.ds_tensor)
+        pairs.add(name, lambda r=r: r.ds_tensor, lambda p=p: p.ds_tensor)
+        if getattr(r, "ds_persist", False):
+            # persistent small params stay gathered in the reference (no optimizer re-gathers them): copy both
+            if not getattr(p, "ds_persist", False):
+                raise _mismatch(f"{name!r} is persistent in the reference but not in the policy "
+                                "(use the same stage3_param_persistence_threshold)")
+            pairs.add(name + "(persistent)", lambda r=r: r.data, lambda p=p: p.data)
+    _add_named(pairs, ref, pol, "b")
+
+
+_COLLECT = {"plain": _collect_plain, "ddp": _collect_plain, "zero": _collect_plain, "fsdp2": _collect_fsdp2,
+            "fsdp1": _collect_fsdp1, "zero3": _collect_zero3}
+
+
+def collect_pairs(policy: nn.Module, reference: nn.Module) -> Pairs:
+    """Detect the backend (both models must agree), collect and check the pairs."""
+    kp, kr = detect(policy), detect(reference)
+    if kp != kr and {kp, kr} - {"plain", "ddp", "zero"}:
+        raise _mismatch(f"the policy is wrapped as {kp} and the reference as {kr}")
+    kind = kp if kp == kr else "plain"  # DDP / ZeRO-1/2 / plain all hold full replicas: parameter to parameter
+    pairs = Pairs(kind)
+    _COLLECT[kind](pairs, _unwrap(reference), _unwrap(policy))
+    return pairs

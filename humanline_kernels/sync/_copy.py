@@ -1,0 +1,90 @@
+"""Grouped multi-tensor copy: one launch per (device, source dtype, target dtype) group.
+
+On CUDA the csrc/ kernel (16-byte vector accesses, hundreds of tensors per launch, casts fused) is used when it
+is built (``setup.py``) or can be JIT-built from a source checkout; otherwise ``torch._foreach_copy_``, whose
+fast path is also a single multi-tensor kernel per group when all sources share one dtype (which grouping
+guarantees). Set ``HUMANLINE_SYNC_KERNEL=0`` to never use or build the extension.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ext = None
+_ext_tried = False
+
+
+def load_extension(build: bool = True):
+    """The compiled extension module, or ``None``. Tries the installed one, then a JIT build from ``csrc/``."""
+    global _ext, _ext_tried
+    if _ext is not None or _ext_tried:
+        return _ext
+    _ext_tried = True
+    if os.environ.get("HUMANLINE_SYNC_KERNEL", "1") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        from humanline_kernels import _sync_cuda  # built by setup.py
+        _ext = _sync_cuda
+        return _ext
+    except ImportError:
+        pass
+    if not build:
+        return None
+    src = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc", "multi_tensor_copy.cu")
+    if not os.path.exists(src):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        _ext = load(name="humanline_sync_cuda", sources=[os.path.abspath(src)], extra_cuda_cflags=["-O3"],
+                    verbose=False)
+    except Exception as e:  # no nvcc/ninja, incompatible toolkit: the fallback is correct, only slower
+        warnings.warn(f"humanline_kernels: could not JIT-build the sync copy kernel ({type(e).__name__}: {e}); "
+                      "using torch._foreach_copy_", RuntimeWarning, stacklevel=3)
+        _ext = None
+    return _ext
+
+
+class CopyPlan:
+    """``dsts[i].copy_(srcs[i])`` for all i, grouped so that each group is one multi-tensor launch."""
+
+    def __init__(self, dsts, srcs, use_kernel: bool | None = None):
+        groups: dict = {}
+        for d, s in zip(dsts, srcs):
+            if d.numel() == 0:
+                continue
+            key = (d.device, s.device, s.dtype, d.dtype)
+            g = groups.get(key)
+            if g is None:
+                g = groups[key] = ([], [])
+            g[0].append(d)
+            g[1].append(s)
+        self.groups = groups
+        self.use_kernel = use_kernel
+
+    def devices(self):
+        return list(dict.fromkeys(k[0] for k in self.groups))
+
+    def run(self, device) -> None:
+        """Launch every group whose targets live on ``device`` on the current stream."""
+        for (dd, sd, st, dt), (d, s) in self.groups.items():
+            if dd != device:
+                continue
+            if self._kernel_ok(dd, sd, st, dt, d, s):
+                _ext.multi_tensor_copy(d, s)
+            else:
+                torch._foreach_copy_(d, s)
+
+    def _kernel_ok(self, dd, sd, st, dt, d, s) -> bool:
+        if self.use_kernel is False or dd.type != "cuda" or dd != sd:
+            return False
+        if st not in _KERNEL_DTYPES or dt not in _KERNEL_DTYPES:
+            return False
+        ext = load_extension()
+        if ext is None:
+            if self.use_kernel:
+                raise RuntimeError("use_kernel=True but the humanline sync CUDA extension is not available")
+            return False
+        return all(t.is_contiguous() for t in d) and all(t.is_contiguous() for t in s)
