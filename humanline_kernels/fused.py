@@ -1,9 +1,23 @@
-"""Humanline losses and token log-probs straight from logits.
+r"""Humanline losses and token log-probs straight from logits.
 
 ``logits [..., V]`` (bf16/fp16/fp32, last dimension contiguous, any other strides: a ``logits[:, :-1]`` view is
 used as is), ``labels [...]`` int64 with ``ignore_index`` marking tokens that do not count. CUDA tensors (and CPU
-tensors under ``TRITON_INTERPRET=1``) go through the Triton kernels; other CPU tensors through a chunked eager
-path that never builds an fp32 copy of the whole logits tensor.
+tensors under ``TRITON_INTERPRET=1``) go through the Triton kernels (see ``docs/kernels.md``); other CPU tensors,
+fp64 logits and fp64 reference log-probs through an eager path (chunked :mod:`humanline_kernels.ops.eager` log-probs
+and :mod:`humanline_kernels.losses`).
+
+Kernel path of the losses: one pass over the logits gives, per token, the log-prob, the humanline clamp, the
+loss term ``val`` and its derivative ``coef = d val / d logp`` (``humanline::token_terms``). The per-sequence and
+batch reductions then run on ``[B, T]`` tensors with the functions of :mod:`humanline_kernels.losses`
+(``dpo_from_sums``, ``kto_from_sums``/``kto_baseline``, ``grpo_aggregate``), so the sequence math exists once.
+The backward multiplies the incoming ``[B, T]`` gradient by ``coef`` and recomputes the softmax from the saved
+per-row logsumexp: ``dlogits = g * coef * (onehot - softmax) / temperature``.
+
+Extra keywords (not in the log-prob level): ``inplace_backward=True`` writes the logits' gradient into the logits'
+own storage (zero extra memory; the logits must be an intermediate that nothing else uses afterwards, e.g. the
+lm_head output; their version counter is bumped so a later use fails loudly instead of reading garbage).
+GRPO's ``grad_in_forward=True`` forms the gradient during the forward pass, see :func:`grpo`.
+``validate=False`` skips the label range check, the only check that synchronises with the device.
 """
 from __future__ import annotations
 
@@ -12,8 +26,10 @@ import torch
 from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
+from .ops import custom_ops  # noqa: F401  (registers torch.ops.humanline.*)
 
 __all__ = ["token_logprobs", "grpo", "dpo", "kto"]
+_hl = torch.ops.humanline
 
 
 def _as_3d(logits, labels):
@@ -25,32 +41,36 @@ def _as_3d(logits, labels):
     return logits.reshape(-1, *logits.shape[-2:]), labels.reshape(-1, labels.shape[-1])
 
 
+def _clip_args(clip):
+    return (clip is not None, float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0)
+
+
+def _bwd(logits, labels, lse, g, temperature, ignore_index, inplace):
+    """Gradient of the logits for per-token log-prob gradient ``g [B, T]`` (into the logits when ``inplace``)."""
+    if inplace:
+        _hl.logprobs_bwd_(logits, labels, lse, g, temperature, ignore_index)  # the op bumps the version counter
+        return logits
+    return _hl.logprobs_bwd(logits, labels, lse, g, temperature, ignore_index)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, ignore_index, return_entropy, inplace_backward):
         l3, y3 = _as_3d(logits, labels)
-        logp, lse, ent = ops.logprobs_fwd(l3, y3, temperature, ignore_index, return_entropy)
+        logp, lse, ent = _hl.logprobs_fwd(l3, y3, temperature, ignore_index, return_entropy)
         ctx.save_for_backward(logits, labels, lse)
         ctx.cfg = (temperature, ignore_index, inplace_backward)
-        logp = logp.view(labels.shape)
-        if ent is not None:
-            ent = ent.view(labels.shape)
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        ent = ent.view(labels.shape) if return_entropy else ent
+        ctx.mark_non_differentiable(ent)
+        return logp.view(labels.shape), ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):
         logits, labels, lse = ctx.saved_tensors
         temperature, ignore_index, inplace = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
-        g3 = grad_logp.reshape(y3.shape)
-        if inplace:
-            ops.logprobs_bwd(l3, y3, lse, g3, temperature, ignore_index, out=l3)
-            torch.autograd.graph.increment_version(logits)  # a later use of the old logits must fail loudly
-            dlogits = logits
-        else:
-            dlogits = ops.logprobs_bwd(l3, y3, lse, g3, temperature, ignore_index).view(logits.shape)
-        return dlogits, None, None, None, None, None
+        d = _bwd(l3, y3, lse, grad_logp.reshape(y3.shape), temperature, ignore_index, inplace)
+        return (logits if inplace else d.view(logits.shape)), None, None, None, None, None
 
 
 def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False,
@@ -59,8 +79,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
 
     Differentiable with respect to ``logits``. With ``return_entropy=True`` returns ``(logps, entropy)``, the
     entropy detached. ``inplace_backward=True`` (opt-in) writes the gradient into ``logits``' own storage: the
-    logits must not be used afterwards. ``validate=False`` skips the label range check, the only check that
-    synchronises with the device.
+    logits must not be used afterwards (their version counter is bumped). ``validate=False`` skips the label
+    range check, the only check that synchronises with the device.
     """
     V.check_logits_labels(logits, labels, ignore_index=ignore_index)
     V.check_common(clip=None, temperature=temperature)
@@ -71,35 +91,161 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     return (logp, ent) if return_entropy else logp
 
 
-def _loss_inputs(logits, labels, ref_logps, temperature, ignore_index, validate):
+class _TokenTerms(torch.autograd.Function):
+    """``(val [B, T], aux [4, B, T])`` of ``humanline::token_terms``; backward applies ``coef``."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ref, kl_ref, adv, mode, clip_args, eps_lo, eps_hi, beta, temperature,
+                ignore_index, inplace):
+        val, coef, lse, aux = _hl.token_terms(logits, labels, ref, kl_ref, adv, mode, *clip_args, eps_lo, eps_hi,
+                                              beta, temperature, ignore_index)
+        ctx.save_for_backward(logits, labels, lse, coef)
+        ctx.cfg = (temperature, ignore_index, inplace)
+        ctx.mark_non_differentiable(aux)
+        return val, aux
+
+    @staticmethod
+    def backward(ctx, grad_val, _grad_aux):
+        logits, labels, lse, coef = ctx.saved_tensors
+        temperature, ignore_index, inplace = ctx.cfg
+        d = _bwd(logits, labels, lse, grad_val * coef, temperature, ignore_index, inplace)
+        return (d,) + (None,) * 12
+
+
+class _GrpoGradInForward(torch.autograd.Function):
+    """GRPO loss whose logits gradient is written during the forward; backward only scales it by grad_output."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ref, kl_ref, adv, weight, mask, clip_args, eps_lo, eps_hi, beta, temperature,
+                ignore_index, agg, inplace):
+        args = (clip_args[0], clip_args[1], clip_args[2], eps_lo, eps_hi, beta, temperature, ignore_index)
+        if inplace:
+            grad = logits
+            val, _c, _l, aux = _hl.grpo_grad_fwd_(logits, labels, ref, kl_ref, adv, weight, *args)
+        else:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            val, _c, _l, aux = _hl.grpo_grad_fwd(logits, labels, ref, kl_ref, adv, weight, grad, *args)
+        loss = losses.grpo_aggregate(val, mask, loss_type=agg[0], normalizer=agg[1], max_completion_length=agg[2])
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(aux)
+        return loss, aux
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_aux):
+        (grad,) = ctx.saved_tensors
+        _hl.scale_rows_(grad, grad_loss.reshape(()).to(torch.float32))  # device-side no-op when grad_loss == 1
+        return (grad,) + (None,) * 14
+
+
+def _kernels_ok(logits, *logps):
+    return ops._triton_ok(logits) and all(t is None or t.dtype == torch.float32 for t in logps)
+
+
+def _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate):
     V.check_logits_labels(logits, labels, ignore_index=ignore_index)
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
     V.check_ref_logps(ref_logps, labels)
-    logps = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, validate=validate)
+    if validate:
+        V.check_label_range(labels, logits.shape[-1], ignore_index)
+
+
+def _eager_logps(logits, labels, ref_logps, temperature, ignore_index):
+    logps = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, validate=False)
     return logps.to(ref_logps.dtype), labels != ignore_index
+
+
+def _unclipped_frac(aux, mask):
+    return losses._frac(aux[0].sum(), mask.sum().to(torch.float32)).detach()
 
 
 def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
          kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None, temperature=1.0,
-         ignore_index=-100, validate=True):
-    """Humanline GRPO from ``logits [B, T, V]``; same keywords and result as :func:`humanline_kernels.losses.grpo`."""
-    logps, mask = _loss_inputs(logits, labels, ref_logps, temperature, ignore_index, validate)
-    return losses.grpo(logps, ref_logps, advantages, mask, clip=clip, beta=beta, epsilon_low=epsilon_low,
-                       epsilon_high=epsilon_high, kl_ref_logps=kl_ref_logps, loss_type=loss_type,
-                       normalizer=normalizer, max_completion_length=max_completion_length)
+         ignore_index=-100, validate=True, grad_in_forward=False, inplace_backward=False):
+    """Humanline GRPO from ``logits [B, T, V]``; same keywords and result as :func:`humanline_kernels.losses.grpo`.
+
+    ``grad_in_forward=True`` (kernel path, when grad is enabled and ``logits`` requires it) writes
+    ``d loss / d logits`` for ``grad_output = 1`` during the forward pass: GRPO's per-token term depends only on its
+    own token and the aggregation weights ``d loss / d L_t`` come from the mask alone, so this is exact for every
+    ``loss_type``. The backward multiplies the stored gradient by ``grad_output`` in place with a kernel that
+    reads ``grad_output`` on the device and does nothing when it is 1 (no host sync, no extra pass in the usual
+    case). The gradient buffer is new (``inplace_backward=False``) or the logits themselves (``True``: the
+    logits are overwritten already during the forward). Backward may then run only once for this loss.
+    """
+    _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate)
+    V.check_common(clip=clip, beta=beta, temperature=temperature)
+    B = labels.shape[0]
+    V.check_grpo_args(B, labels.device, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                      loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
+    if kl_ref_logps is not None:
+        V.check_tensor("kl_ref_logps", kl_ref_logps, shape=labels.shape, dtypes=(ref_logps.dtype,),
+                       device=labels.device)
+    agg = dict(loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
+    if not _kernels_ok(logits, ref_logps, kl_ref_logps):
+        logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
+        return losses.grpo(logps, ref_logps, advantages, mask, clip=clip, beta=beta, epsilon_low=epsilon_low,
+                           epsilon_high=epsilon_high, kl_ref_logps=kl_ref_logps, **agg)
+    mask = labels != ignore_index
+    cfg = (_clip_args(clip), float(epsilon_low), float(epsilon_high), float(beta), float(temperature), ignore_index)
+    if grad_in_forward and torch.is_grad_enabled() and logits.requires_grad:
+        w = ops.grpo_row_weights(mask, **agg)
+        loss, aux = _GrpoGradInForward.apply(logits, labels, ref_logps, kl_ref_logps, advantages, w, mask, *cfg,
+                                             (loss_type, normalizer, max_completion_length), bool(inplace_backward))
+    else:
+        val, aux = _TokenTerms.apply(logits, labels, ref_logps, kl_ref_logps, advantages, ops.MODE_GRPO, *cfg,
+                                     bool(inplace_backward))
+        loss = losses.grpo_aggregate(val, mask, **agg)
+    den = mask.sum().to(torch.float32).clamp(min=1)
+    metrics = {
+        "unclipped_frac": _unclipped_frac(aux, mask),
+        "kl": aux[3].sum() / den,
+        "clip_frac_low": aux[1].sum() / den,
+        "clip_frac_high": aux[2].sum() / den,
+    }
+    return loss, metrics
+
+
+def _row_sums(logits, labels, ref_logps, clip, temperature, ignore_index, inplace):
+    """Per-row clipped log-ratio sums ``s [B]`` (differentiable) and ``aux`` from one kernel pass."""
+    val, aux = _TokenTerms.apply(logits, labels, ref_logps, None, None, ops.MODE_RATIO, _clip_args(clip), 0.2, 0.2,
+                                 0.0, float(temperature), ignore_index, bool(inplace))
+    return val.sum(dim=1), aux
 
 
 def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, temperature=1.0,
-        ignore_index=-100, validate=True):
+        ignore_index=-100, validate=True, inplace_backward=False):
     """Humanline DPO from ``logits [2P, T, V]``; same keywords and result as :func:`humanline_kernels.losses.dpo`."""
-    logps, mask = _loss_inputs(logits, labels, ref_logps, temperature, ignore_index, validate)
-    return losses.dpo(logps, ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
+    _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate)
+    V.check_dpo_rows(labels.shape[0])
+    V.check_common(clip=clip, beta=beta, temperature=temperature)
+    V.check_dpo_args(label_smoothing)
+    if not _kernels_ok(logits, ref_logps):
+        logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
+        return losses.dpo(logps, ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
+    s, aux = _row_sums(logits, labels, ref_logps, clip, temperature, ignore_index, inplace_backward)
+    loss, metrics = losses.dpo_from_sums(s, beta=beta, label_smoothing=label_smoothing)
+    metrics["unclipped_frac"] = _unclipped_frac(aux, labels != ignore_index)
+    return loss, metrics
 
 
 def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
-        beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, temperature=1.0, ignore_index=-100, validate=True):
+        beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, temperature=1.0, ignore_index=-100, validate=True,
+        inplace_backward=False):
     """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass."""
-    logps, mask = _loss_inputs(logits, labels, ref_logps, temperature, ignore_index, validate)
-    return losses.kto(logps, ref_logps, mask, desirable, kl_logps, kl_ref_logps, kl_mask, clip=clip, beta=beta,
-                      desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate)
+    V.check_common(clip=clip, beta=beta, temperature=temperature)
+    V.check_kto_args(labels.shape[0], labels.device, desirable, kl_logps, kl_ref_logps, kl_mask,
+                     desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    if not _kernels_ok(logits, ref_logps):
+        logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
+        return losses.kto(logps, ref_logps, mask, desirable, kl_logps, kl_ref_logps, kl_mask, clip=clip, **weights)
+    s, aux = _row_sums(logits, labels, ref_logps, clip, temperature, ignore_index, inplace_backward)
+    with torch.no_grad():
+        if kl_logps is None:
+            s_kl = s.new_zeros(0)
+        else:
+            s_kl = losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(s.dtype)
+    loss, metrics = losses.kto_from_sums(s, losses.kto_baseline(s_kl), desirable, **weights)
+    metrics["unclipped_frac"] = _unclipped_frac(aux, labels != ignore_index)
+    return loss, metrics

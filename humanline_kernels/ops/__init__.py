@@ -11,6 +11,8 @@ import torch
 
 from . import eager
 
+MODE_RATIO, MODE_GRPO = 1, 2  # token_terms_fwd modes: clipped log-ratio (DPO/KTO), GRPO term
+
 
 def triton_available() -> bool:
     try:
@@ -46,3 +48,65 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
         from . import logprobs
         return logprobs.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)
     return eager.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)
+
+
+def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignore_index, kl_ref_logps=None,
+                    advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None):
+    """Per-token humanline terms of ``logits [B, T, V]`` in one pass: ``(val, coef, lse, aux)``.
+
+    ``mode`` 1 (DPO/KTO): ``val`` = masked clipped log-ratio; 2 (GRPO): ``val`` = masked per-token GRPO term
+    ``u + beta * k3``. ``coef = d val / d logp`` (apply it in the backward: ``grad_logp = grad_val * coef``),
+    ``lse`` the per-row logsumexp, ``aux [4, B, T]`` = (inside the clip band, GRPO low clip, high clip, k3).
+    ``ref_logps``, ``kl_ref_logps`` ``[B, T]``, ``advantages [B]``; ``clip`` a HumanlineClip or None.
+    See :mod:`.losses_kernels` for the exact math.
+    """
+    kw = dict(mode=mode, clip=clip, temperature=temperature, ignore_index=ignore_index, kl_ref_logps=kl_ref_logps,
+              advantages=advantages, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+              row_weight=row_weight, grad_out=grad_out)
+    if _triton_ok(logits):
+        from . import losses_kernels
+        return losses_kernels.token_terms_fwd(logits, labels, ref_logps, **kw)
+    from . import terms_eager
+    return terms_eager.token_terms_fwd(logits, labels, ref_logps, **kw)
+
+
+def grpo_fwd_grad(logits, labels, ref_logps, advantages, row_weight, *, out, clip, temperature, ignore_index,
+                  kl_ref_logps=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2):
+    """GRPO with the gradient formed in the forward pass (one sweep of the logits for the softmax statistics, one
+    more that writes the gradient). Returns ``(per_token [B, T], coef [B, T], lse [B, T], aux [4, B, T])`` and
+    writes ``out[b, t, :] = row_weight[b] * coef[b, t] * (onehot(y) - softmax(z / T)) / T`` in the logits' dtype,
+    i.e. the gradient of ``sum(row_weight[b] * per_token[b, t])`` w.r.t. the logits. ``out`` may be ``logits``
+    itself (in place). ``row_weight [B]`` is ``d loss / d per_token`` of the aggregation, see
+    :func:`grpo_row_weights`; multiply by the upstream gradient later with :func:`scale_rows_`.
+    """
+    return token_terms_fwd(logits, labels, ref_logps, mode=2, clip=clip, temperature=temperature,
+                           ignore_index=ignore_index, kl_ref_logps=kl_ref_logps, advantages=advantages, beta=beta,
+                           epsilon_low=epsilon_low, epsilon_high=epsilon_high, row_weight=row_weight, grad_out=out)
+
+
+def grpo_row_weights(mask, *, loss_type, normalizer=None, max_completion_length=None):
+    """``w [B]`` fp32 with ``d loss / d per_token[b, t] = w[b]`` (masked tokens) for ``grpo_aggregate``; on device.
+
+    "dapo"/"bnpo": ``1 / (normalizer or sum(mask))``; "grpo": ``1 / (row_count_b * #non-empty rows)``;
+    "dr_grpo": ``1 / (B * (max_completion_length or T))``. No host sync.
+    """
+    B, T = mask.shape
+    f = mask.to(torch.float32)
+    if loss_type in ("dapo", "bnpo"):
+        den = f.sum().clamp(min=1) if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32,
+                                                                             device=mask.device).reshape(())
+        return (1.0 / den).expand(B).contiguous()
+    if loss_type == "grpo":
+        row_n = f.sum(1)
+        return 1.0 / (row_n.clamp(min=1) * (row_n > 0).sum().to(torch.float32).clamp(min=1))
+    return torch.full((B,), 1.0 / (B * (T if max_completion_length is None else max_completion_length)),
+                      dtype=torch.float32, device=mask.device)
+
+
+def scale_rows_(x, scale):
+    """``x [B, T, V] *= scale`` in place (``scale`` a 0-d tensor); the Triton version skips the work on the device
+    when ``scale == 1`` (no host sync)."""
+    if _triton_ok(x):
+        from . import logprobs
+        return logprobs.scale_rows_(x, scale)
+    return x.mul_(scale.to(x.dtype))
