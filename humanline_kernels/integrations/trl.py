@@ -1,0 +1,506 @@
+"""Humanline DPO / KTO / GRPO trainers for TRL (tested against TRL >=1.16,<1.17).
+
+Switch an existing run by changing the trainer class and the config class, and setting three fields::
+
+    from humanline_kernels.integrations.trl import HumanlineDPOConfig, HumanlineDPOTrainer
+    args = HumanlineDPOConfig(..., humanline=True, sync_every=1, log_eps_p=-1.5)   # log_eps_r=1.5 by default
+    trainer = HumanlineDPOTrainer(model, ref_model=None, args=args, train_dataset=ds, processing_class=tok)
+
+Config fields (also read from a plain TRL config, with these defaults):
+
+* ``humanline`` (True): clamp each token's log-ratio to ``[log_eps_p, log_eps_r]`` and sync the reference from the
+  policy every ``sync_every`` optimizer steps, before the update (:class:`~.transformers.HumanlineSyncCallback`).
+  False gives the plain objective through the same code path (equal to TRL's stock trainer).
+* ``log_eps_p`` (-1.5), ``log_eps_r`` (1.5): the clip band (the paper's; HALOs' repository defaults P to -1.0).
+* ``sync_every`` (1): k; the paper uses 1 for instruction following, 12-24 for math GRPO.
+* ``fused`` ("linear"): how per-token log-probs are computed. "linear": hidden states and lm_head weight through
+  :mod:`humanline_kernels.fused_linear`, inside the model's forward; "logits": the model's logits through
+  :func:`humanline_kernels.token_logprobs`; "off": TRL's own chunked log-prob head. The loss is always
+  :mod:`humanline_kernels.losses` on the per-token log-probs.
+
+Metric names are TRL's (``rewards/chosen``, ``logps/chosen``, ``kl``, ``clip_ratio/low_mean``, ...) plus
+``humanline/unclipped_frac`` (fraction of completion tokens strictly inside the band) and ``humanline/num_syncs``
+(reference syncs so far). With humanline on, ``rewards/*`` are β times the *clipped*
+summed log-ratios, the rewards the loss sees. ``logits/*`` and ``mean_token_accuracy`` are logged with
+``fused="off"`` only (our fused paths do not compute them); GRPO's per-sequence ``clip_ratio/low_min`` and
+``clip_ratio/high_max`` are not logged.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer
+from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, disable_dropout_in_model,
+                               get_config_model_id, use_adapter)
+
+from .. import losses
+from .._clip import HumanlineClip
+from ._head import FUSED_MODES, install_head
+from .transformers import HumanlineSyncCallback
+
+__all__ = ["HumanlineDPOConfig", "HumanlineKTOConfig", "HumanlineGRPOConfig", "HumanlineDPOTrainer",
+           "HumanlineKTOTrainer", "HumanlineGRPOTrainer"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configs
+# ---------------------------------------------------------------------------------------------------------------
+def _hk_field(default, help_):
+    return field(default=default, metadata={"help": help_})
+
+
+@dataclass
+class _HumanlineFields:
+    humanline: bool = _hk_field(True, "Humanline clipping and pre-update reference syncing (False: plain objective).")
+    log_eps_p: float = _hk_field(-1.5, "Lower end of the per-token log-ratio clip band (paper: -1.5).")
+    log_eps_r: float = _hk_field(1.5, "Upper end of the per-token log-ratio clip band (paper: 1.5).")
+    sync_every: int = _hk_field(1, "Sync the reference from the policy every this many optimizer steps.")
+    fused: str = _hk_field("linear", "Per-token log-probs: 'linear' (hidden+lm_head), 'logits' or 'off' (TRL's).")
+
+
+def _hk_settings(args):
+    """Validated ``(humanline, clip, sync_every, fused)`` from a humanline config or a plain TRL config."""
+    humanline = getattr(args, "humanline", True)
+    if not isinstance(humanline, bool):
+        raise ValueError(f"humanline must be a bool, got {humanline!r}")
+    clip = HumanlineClip(getattr(args, "log_eps_p", -1.5), getattr(args, "log_eps_r", 1.5))
+    every = getattr(args, "sync_every", 1)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"sync_every must be a positive int, got {every!r}")
+    fused = getattr(args, "fused", "linear")
+    if fused not in FUSED_MODES:
+        raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
+    return humanline, (clip if humanline else None), every, fused
+
+
+@dataclass
+class HumanlineDPOConfig(DPOConfig, _HumanlineFields):
+    """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _hk_settings(self)
+
+
+@dataclass
+class HumanlineKTOConfig(KTOConfig, _HumanlineFields):
+    """``trl.KTOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _hk_settings(self)
+
+
+@dataclass
+class HumanlineGRPOConfig(GRPOConfig, _HumanlineFields):
+    """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _hk_settings(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared trainer machinery
+# ---------------------------------------------------------------------------------------------------------------
+def _refuse(cond, msg):
+    if cond:
+        raise ValueError(msg)
+
+
+def _precheck_common(name, args, model, peft_config, humanline):
+    _refuse(getattr(args, "precompute_ref_log_probs", False),
+            f"{name}: precompute_ref_log_probs=True stores only summed reference log-probs; the humanline losses need "
+            "per-token reference log-probs from a live reference model. Set precompute_ref_log_probs=False.")
+    if humanline:
+        _refuse(args.sync_ref_model,
+                f"{name}: sync_ref_model=True (TR-DPO, syncs after the update) conflicts with humanline syncing "
+                "(before the update, every sync_every steps). Set sync_ref_model=False.")
+        _refuse(peft_config is not None or is_peft_model(model),
+                f"{name}: humanline needs a separate reference model to sync into; under PEFT the reference is the "
+                "adapter-disabled policy. Train without PEFT or set humanline=False.")
+    _refuse(getattr(args, "padding_free", False), f"{name}: padding_free=True is not supported")
+
+
+class _HumanlineMixin:
+    """Set-up shared by the three trainers: head patching, the sync callback, metric logging."""
+
+    def _hk_setup(self, temperature=1.0):
+        name = type(self).__name__
+        if self.ref_model is None and self.hk_humanline:
+            raise ValueError(f"{name}: humanline needs a reference model (pass ref_model=... or let TRL build one)")
+        if self.hk_fused != "off":
+            _refuse(getattr(self, "aux_loss_enabled", False),
+                    f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
+            _refuse(getattr(self.args, "cast_lm_head_to_fp32", False),
+                    f"{name}: cast_lm_head_to_fp32 is only supported with fused='off' (our kernels accumulate in fp32)")
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        install_head(policy, self.hk_fused, temperature)
+        if self.ref_model is not None:
+            install_head(_hf_module(self.ref_model), self.hk_fused, temperature)
+        self.hk_sync = None
+        if self.hk_humanline:
+            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, ref_model=self.ref_model)
+            self.hk_sync._allow_deepspeed = True  # we sync before the backward under DeepSpeed (reference_done)
+            self.add_callback(self.hk_sync)
+
+    def _hk_reference_done(self, boundary_only=True):
+        """After the step's last reference forward: start the copy (DeepSpeed: finish it before the backward)."""
+        if self.hk_sync is None or not self.model.training:
+            return
+        if boundary_only and not self.accelerator.sync_gradients:
+            return
+        self.hk_sync.reference_done(blocking=self.is_deepspeed_enabled)
+
+    def _hk_ref_forward(self, kwargs, labels):
+        """Reference per-token log-probs (no grad), from ``self.ref_model`` or the adapter-disabled PEFT policy."""
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            if self.ref_model is None and is_peft_model(self.model):
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                    return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
+            return self.ref_model(**kwargs, labels=labels, fused_lm_head=True).log_probs
+
+    def _hk_log_common(self, mode, out, mask, attention_mask, clip_counts):
+        """TRL's entropy/num_tokens metrics and ours, token-weighted across ranks, one host sync."""
+        n_in, n = clip_counts
+        ent = out.entropy
+        ent_sum = (ent[:, -mask.size(1):].detach() * mask).sum() if ent is not None else n.new_zeros(())
+        stats = torch.stack([n_in, n, ent_sum.to(n.dtype), mask.sum().to(n.dtype),
+                             attention_mask.sum().to(n.dtype)]).detach()
+        n_in, n, ent_sum, n_tok, n_att = self.accelerator.reduce(stats, reduction="sum").tolist()
+        m = self._metrics[mode]
+        if ent is not None:
+            m["entropy"].append(ent_sum / n_tok if n_tok > 0 else 0.0)
+        if mode == "train":
+            self._total_train_tokens += int(n_att) // getattr(self, "_tp_size", 1)
+        m["num_tokens"] = [self._total_train_tokens]
+        m["humanline/unclipped_frac"].append(n_in / n if n > 0 else 1.0)
+
+    def log(self, logs, start_time=None):
+        if self.hk_sync is not None and self.model.training:
+            logs["humanline/num_syncs"] = self.hk_sync.num_syncs  # reference syncs so far (every sync_every steps)
+        super().log(logs, start_time)
+
+
+def _hf_module(module):
+    """The transformers model inside a DeepSpeed engine / FSDP1 wrapper (FSDP2 and plain modules are it)."""
+    while not hasattr(module, "config") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _clip_counts(logps, ref_logps, mask, clip):
+    with torch.no_grad():
+        clipped, n_in, n = losses.clip_log_ratio(logps.detach(), ref_logps, mask, clip)
+    return clipped, (n_in, n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DPO
+# ---------------------------------------------------------------------------------------------------------------
+_DPO_NON_MODEL = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+
+class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
+    """``trl.DPOTrainer`` with humanline clipping and syncing (``loss_type=["sigmoid"]``)."""
+
+    def __init__(self, model, ref_model=None, args=None, *posargs, peft_config=None, **kwargs):
+        if args is None:
+            args = HumanlineDPOConfig("humanline-dpo")
+        self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = _hk_settings(args)
+        _precheck_common(type(self).__name__, args, model, peft_config, self.hk_humanline)
+        _refuse(list(args.loss_type) != ["sigmoid"] or (args.loss_weights not in (None, [1.0])),
+                f"HumanlineDPOTrainer supports loss_type=['sigmoid'] only, got {args.loss_type}")
+        _refuse(args.f_divergence_type != "reverse_kl", "HumanlineDPOTrainer supports f_divergence_type='reverse_kl'")
+        _refuse(args.ld_alpha is not None, "HumanlineDPOTrainer does not support ld_alpha")
+        _refuse(args.use_weighting, "HumanlineDPOTrainer does not support use_weighting (WPO)")
+        _refuse(args.label_smoothing != 0.0, "HumanlineDPOTrainer: label_smoothing is ignored by TRL's 'sigmoid' loss "
+                "and not supported here; set label_smoothing=0.0")
+        super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
+        self._hk_setup()
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        mode = "train" if self.model.training else "eval"
+        kw = {k: v for k, v in inputs.items() if k not in _DPO_NON_MODEL}
+        kw["use_cache"] = False
+        completion_mask = inputs["completion_mask"]
+        mask = completion_mask[:, 1:].bool()
+        T = mask.size(1)
+        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+        ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
+        self._hk_reference_done()
+        out = model(**kw, labels=labels, fused_lm_head=True)
+        logps = out.log_probs[:, -T:].float()
+        loss, _ = losses.dpo(logps, ref_logps, mask, clip=self.hk_clip, beta=self.beta)
+        if self.aux_loss_enabled and out.aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss
+        self._hk_log_dpo(mode, out, logps, ref_logps, mask, inputs["attention_mask"])
+        if return_outputs:
+            with torch.no_grad():
+                return loss, model(**kw)
+        return loss
+
+    def _hk_log_dpo(self, mode, out, logps, ref_logps, mask, attention_mask):
+        clipped, counts = _clip_counts(logps, ref_logps, mask, self.hk_clip)
+        self._hk_log_common(mode, out, mask, attention_mask, counts)
+        with torch.no_grad():
+            rewards = self.beta * clipped.sum(1)
+            rc, rr = rewards.chunk(2)
+            lc, lr = logps.detach().sum(1).chunk(2)
+            g = self.accelerator.gather(torch.stack([rc, rr, (rc > rr).float(), rc - rr, lc, lr])).view(-1, 6, rc.numel())
+            vals = g.transpose(0, 1).reshape(6, -1).mean(1).tolist()
+        m = self._metrics[mode]
+        for key, v in zip(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                           "logps/chosen", "logps/rejected"), vals):
+            m[key].append(v)
+        if out.mean_logits is not None:  # fused="off": TRL's head also gave mean logits and top-1 hits
+            T = mask.size(1)
+            mc, mr = mask.chunk(2)
+            lgc, lgr = (out.mean_logits[:, -T:] * mask).chunk(2)
+            top1 = (out.is_top1[:, -T:].chunk(2)[0] & mc).sum()
+            s = self.accelerator.reduce(torch.stack([lgc.sum(), mc.sum(), lgr.sum(), mr.sum(), top1.float()]).float(),
+                                        reduction="sum").tolist()
+            m["logits/chosen"].append(s[0] / s[1] if s[1] > 0 else 0.0)
+            m["logits/rejected"].append(s[2] / s[3] if s[3] > 0 else 0.0)
+            m["mean_token_accuracy"].append(s[4] / s[1] if s[1] > 0 else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KTO
+# ---------------------------------------------------------------------------------------------------------------
+_KTO_NON_MODEL = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
+                  "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps"}
+
+
+class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
+    """``trl.KTOTrainer`` with humanline clipping and syncing (``loss_type="kto"``; KL baseline as in HALOs)."""
+
+    def __init__(self, model, ref_model=None, args=None, *posargs, peft_config=None, **kwargs):
+        if args is None:
+            args = HumanlineKTOConfig("humanline-kto")
+        self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = _hk_settings(args)
+        _precheck_common(type(self).__name__, args, model, peft_config, self.hk_humanline)
+        _refuse(args.loss_type != "kto", f"HumanlineKTOTrainer supports loss_type='kto' only, got {args.loss_type!r}")
+        super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
+        self._hk_setup()
+
+    def _hk_kl_inputs(self, batch):
+        kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL | {"input_ids", "attention_mask"}}
+        kw["input_ids"], kw["attention_mask"], kw["use_cache"] = batch["KL_input_ids"], batch["KL_attention_mask"], False
+        for k in ("token_type_ids", "mm_token_type_ids"):
+            if "KL_" + k in batch:
+                kw[k] = batch["KL_" + k]
+        labels = batch["KL_input_ids"].masked_fill(batch["KL_completion_mask"] == 0, -100)
+        return kw, labels, batch["KL_completion_mask"][:, 1:].bool()
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        mode = "train" if self.model.training else "eval"
+        dev = self.accelerator.device
+        batch = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=dev)
+        kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL}
+        kw["use_cache"] = False
+        mask = batch["completion_mask"][:, 1:].bool()
+        T = mask.size(1)
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        kl = kl_ref = kl_mask = None
+        if self.calculate_KL:
+            kl_kw, kl_labels, kl_mask = self._hk_kl_inputs(batch)
+            kl_ref = self._hk_ref_forward(kl_kw, kl_labels)[:, -kl_mask.size(1):].float()
+        ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
+        self._hk_reference_done()
+        if self.calculate_KL:
+            with torch.no_grad():  # the KL rows only set the detached baseline z0
+                kl = model(**kl_kw, labels=kl_labels, fused_lm_head=True).log_probs[:, -kl_mask.size(1):].float()
+        out = model(**kw, labels=labels, fused_lm_head=True)
+        logps = out.log_probs[:, -T:].float()
+        loss, met = losses.kto(logps, ref_logps, mask, desirable, kl, kl_ref, kl_mask, clip=self.hk_clip,
+                               beta=self.beta, desirable_weight=self.desirable_weight,
+                               undesirable_weight=self.undesirable_weight)
+        if self.aux_loss_enabled and out.aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss
+        self._hk_log_kto(mode, out, logps, ref_logps, mask, desirable, met["kl"], batch["attention_mask"])
+        if return_outputs:
+            with torch.no_grad():
+                return loss, model(**kw)
+        return loss
+
+    def _hk_log_kto(self, mode, out, logps, ref_logps, mask, desirable, z0, attention_mask):
+        clipped, counts = _clip_counts(logps, ref_logps, mask, self.hk_clip)
+        self._hk_log_common(mode, out, mask, attention_mask, counts)
+        with torch.no_grad():
+            r, lp, d = self.beta * clipped.sum(1), logps.detach().sum(1), desirable.float()
+            s = torch.stack([(r * d).sum(), (lp * d).sum(), d.sum(), (r * (1 - d)).sum(), (lp * (1 - d)).sum(),
+                             (1 - d).sum()])
+            if out.mean_logits is not None:
+                ml = out.mean_logits[:, -mask.size(1):] * mask
+                md = mask & desirable[:, None]
+                mu = mask & ~desirable[:, None]
+                s = torch.cat([s, torch.stack([(ml * md).sum(), md.sum().float(), (ml * mu).sum(), mu.sum().float()])])
+            s = self.accelerator.reduce(s, reduction="sum").tolist()
+        m = self._metrics[mode]
+        m["kl"].append(float(z0))
+        if s[2] > 0:
+            m["rewards/chosen"].append(s[0] / s[2])
+            m["logps/chosen"].append(s[1] / s[2])
+        if s[5] > 0:
+            m["rewards/rejected"].append(s[3] / s[5])
+            m["logps/rejected"].append(s[4] / s[5])
+        if s[2] > 0 and s[5] > 0:
+            m["rewards/margins"].append(s[0] / s[2] - s[3] / s[5])
+        if len(s) > 6:
+            if s[7] > 0:
+                m["logits/chosen"].append(s[6] / s[7])
+            if s[9] > 0:
+                m["logits/rejected"].append(s[8] / s[9])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPO
+# ---------------------------------------------------------------------------------------------------------------
+_GRPO_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+
+
+class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with humanline clipping and syncing.
+
+    With humanline on, the synced reference (θ_{t-1} during step t) is the importance ratio's denominator, as in
+    the paper and HALOs: ``ρ = exp(clamp(log π_θ − log π_ref, log_eps_p, log_eps_r))``, then the PPO clip at
+    1 ± ε and, when ``beta != 0``, the k3 KL against the same reference (unclipped). TRL's
+    ``old_per_token_logps`` is not used: we require one generation per optimizer step, where TRL sets it to the
+    detached current log-probs (ratio ≡ 1); the reference is built and its log-probs computed even when
+    ``beta == 0``. With humanline off the ratio is TRL's (against ``old_per_token_logps``) and the KL against the
+    fixed reference, exactly like ``trl.GRPOTrainer``.
+
+    Extra keyword ``ref_model``: a reference model instance (default: loaded like TRL does from the policy's
+    name or path, or a deep copy of an in-memory policy).
+    """
+
+    def __init__(self, model, reward_funcs=None, args=None, *posargs, ref_model=None, peft_config=None, **kwargs):
+        if args is None:
+            args = HumanlineGRPOConfig("humanline-grpo")
+        self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = _hk_settings(args)
+        name = type(self).__name__
+        _precheck_common(name, args, model, peft_config, self.hk_humanline)
+        _refuse(args.loss_type not in _GRPO_LOSS_TYPES,
+                f"{name} supports loss_type in {_GRPO_LOSS_TYPES}, got {args.loss_type!r}")
+        _refuse(args.importance_sampling_level != "token", f"{name} supports importance_sampling_level='token' only")
+        _refuse(args.delta is not None, f"{name} does not support delta (two-sided clipping)")
+        _refuse(args.off_policy_mask_threshold is not None, f"{name} does not support off_policy_mask_threshold")
+        _refuse(args.top_entropy_quantile < 1.0, f"{name} does not support top_entropy_quantile < 1")
+        _refuse(args.entropy_coef != 0.0 or args.use_adaptive_entropy, f"{name} does not support the entropy bonus")
+        _refuse(args.use_bias_correction_kl, f"{name} does not support use_bias_correction_kl")
+        if self.hk_humanline:
+            gen_every = args.steps_per_generation * args.num_iterations
+            _refuse(gen_every != args.gradient_accumulation_steps,
+                    f"{name}: with humanline the reference log-probs of a generation batch must all come from the "
+                    "reference of one optimizer step, so a generation batch must span exactly one optimizer step: "
+                    f"steps_per_generation * num_iterations ({gen_every}) must equal gradient_accumulation_steps "
+                    f"({args.gradient_accumulation_steps})")
+            _refuse(args.use_vllm and args.vllm_importance_sampling_correction,
+                    f"{name}: vLLM importance-sampling correction is not supported with humanline; set "
+                    "vllm_importance_sampling_correction=False")
+        beta = args.beta
+        if ref_model is not None:
+            args.beta = 0.0  # keep TRL from loading its own reference; ours is installed below
+        try:
+            super().__init__(model, reward_funcs, args, *posargs, peft_config=peft_config, **kwargs)
+        finally:
+            args.beta = beta
+        self.beta = beta
+        if self.ref_model is None and (ref_model is not None or self.hk_humanline):
+            self.ref_model = self._hk_prepare_ref(ref_model)
+        self._hk_setup(temperature=self.temperature)
+
+    def _hk_prepare_ref(self, ref_model):
+        if ref_model is None:
+            path = get_config_model_id(self.model.config)
+            if path:
+                init = dict(self.args.model_init_kwargs or {})
+                init.setdefault("dtype", self.model.dtype)
+                init.setdefault("attn_implementation", self.model.config._attn_implementation)
+                ref_model = create_model_from_path(path, **init)
+            else:  # an in-memory policy: copy it, minus the forward TRL bound to the policy
+                ref_model = copy.deepcopy(self.model)
+                ref_model.__dict__.pop("forward", None)
+        if self.args.disable_dropout:
+            disable_dropout_in_model(ref_model)
+        add_fused_lm_head(ref_model, temperature=self.temperature)
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(ref_model, self.accelerator)
+        if self.is_fsdp_enabled:
+            return prepare_fsdp(ref_model, self.accelerator)
+        return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+    def _generate_and_score_completions(self, inputs):
+        beta = self.beta
+        if self.hk_humanline and beta == 0.0:
+            self.beta = 1.0  # TRL computes ref_per_token_logps only when beta != 0; humanline always needs them
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self.beta = beta
+        # The generation batch is this optimizer step's only reference forward: start the sync now.
+        self._hk_reference_done(boundary_only=False)
+        return out
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mm = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                                         "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                                         "mm_token_type_ids", "image_position_ids")}
+        logps, entropies, aux = self._get_per_token_logps_and_entropies(
+            model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+            completion_ids.size(1), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled, **mm)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mask = mask.bool()
+        advantages = inputs["advantages"]
+        if advantages.dim() != 1:
+            raise ValueError(f"{type(self).__name__} expects advantages of shape [B], got {list(advantages.shape)}")
+        logps = logps.float()
+        if self.hk_humanline:
+            denom, kl_ref = inputs["ref_per_token_logps"].float(), None
+        else:
+            old = inputs.get("old_per_token_logps")
+            denom = logps.detach() if old is None else old.float()
+            kl_ref = inputs["ref_per_token_logps"].float() if self.beta != 0.0 else None
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1
+        normalizer, scale = None, 1.0 / accum
+        if self.loss_type == "dapo":  # TRL: global token count of the accumulation window, per process
+            normalizer = inputs["num_items_in_batch"].float().clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * accum / self.args.steps_per_generation
+            scale = 1.0
+        loss, met = losses.grpo(logps, denom, advantages.float(), mask, clip=self.hk_clip, beta=self.beta,
+                                epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, kl_ref_logps=kl_ref,
+                                loss_type=self.loss_type, normalizer=normalizer,
+                                max_completion_length=self.max_completion_length)
+        loss = loss * scale
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux / accum
+        self._hk_log_grpo(mode, met, entropies, mask)
+        return loss
+
+    def _hk_log_grpo(self, mode, met, entropies, mask):
+        with torch.no_grad():
+            n = mask.sum().float()
+            s = torch.stack([met["kl"] * n, met["clip_frac_low"] * n, met["clip_frac_high"] * n,
+                             met["unclipped_frac"] * n, (entropies.float() * mask).sum(), n])
+            kl, low, high, inside, ent, n = self.accelerator.reduce(s, reduction="sum").tolist()
+        m = self._metrics[mode]
+        d = max(n, 1.0)
+        if self.beta != 0.0:
+            m["kl"].append(kl / d)
+        m["entropy"].append(ent / d)
+        m["clip_ratio/low_mean"].append(low / d)
+        m["clip_ratio/high_mean"].append(high / d)
+        m["clip_ratio/region_mean"].append((low + high) / d)
+        m["humanline/unclipped_frac"].append(inside / d if n > 0 else 1.0)
