@@ -161,46 +161,48 @@ def _collect_plain(pairs, ref, pol):
     _add_named(pairs, ref, pol, "b")
 
 
-def _collect_fsdp2(pairs, ref, pol):
-    cls = _fsdp2_cls()
-    rmods = [m for m in ref.modules() if isinstance(m, cls)]
-    pmods = [m for m in pol.modules() if isinstance(m, cls)]
-    if len(rmods) != len(pmods):
-        raise _mismatch(f"{len(pmods)} FSDP2 modules in the policy, {len(rmods)} in the reference")
-
-    def fsdp_params(m):
+def _fsdp2_params(model, mods) -> dict:
+    """Qualified name -> FSDPParam over all FSDP2 groups of ``model`` (grouping does not change the shards)."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    out = {}
+    for m in mods:
         st = m._get_fsdp_state()
-        groups = getattr(st, "_fsdp_param_groups", None)
+        groups = getattr(st, "_fsdp_param_groups", None)  # torch >= 2.10; a single group before
         if groups is None:
             g = st._fsdp_param_group
             groups = [g] if g is not None else []
-        return [fp for g in groups for fp in g.fsdp_params]
+        for g in groups:
+            for fp in g.fsdp_params:
+                mn = names.get(id(fp._module_info.module), "?")
+                out[f"{mn}.{fp._module_info.param_name}" if mn else fp._module_info.param_name] = fp
+    return out
 
-    rnames = {id(m): n for n, m in ref.named_modules(remove_duplicate=False)}
+
+def _collect_fsdp2(pairs, ref, pol):
+    cls = _fsdp2_cls()
+    rmods = [m for m in ref.modules() if isinstance(m, cls)]
+    rfps = _fsdp2_params(ref, rmods)
+    pfps = _fsdp2_params(pol, [m for m in pol.modules() if isinstance(m, cls)])
+    if rfps.keys() != pfps.keys():
+        raise _mismatch(f"FSDP2 shards different parameters (in policy only: {sorted(pfps.keys() - rfps.keys())[:3]},"
+                        f" in reference only: {sorted(rfps.keys() - pfps.keys())[:3]})")
     managed = set()
-    for rm, pm in zip(rmods, pmods):
-        rfps, pfps = fsdp_params(rm), fsdp_params(pm)
-        if len(rfps) != len(pfps):
-            raise _mismatch(f"an FSDP2 group holds {len(pfps)} params in the policy and {len(rfps)} in the reference")
-        for rfp, pfp in zip(rfps, pfps):
-            ri, pi = rfp._module_info, pfp._module_info
-            mname = rnames.get(id(ri.module), "?")
-            name = f"{mname}.{ri.param_name}" if mname else ri.param_name
-            if ri.param_name != pi.param_name:
-                raise _mismatch(f"FSDP2 parameter {name!r} is paired with {pi.param_name!r}")
-            _check_pair(name, rfp.sharded_param, pfp.sharded_param)
-            _check_pair(name, rfp.sharded_param._local_tensor, pfp.sharded_param._local_tensor)
-            if tuple(rfp._orig_size) != tuple(pfp._orig_size):
-                raise _mismatch(f"{name!r} has shape {tuple(rfp._orig_size)} in the reference and "
-                                f"{tuple(pfp._orig_size)} in the policy")
-            managed.add(name)
-            for fp in (rfp, pfp):
-                managed.add(id(fp.sharded_param))
-                up = getattr(fp, "_unsharded_param", None)
-                if up is not None:
-                    managed.add(id(up))
-            pairs.add(name, lambda fp=rfp: fp.sharded_param._local_tensor,
-                      lambda fp=pfp: fp.sharded_param._local_tensor)
+    for name, rfp in rfps.items():
+        pfp = pfps[name]
+        if tuple(rfp._orig_size) != tuple(pfp._orig_size):
+            raise _mismatch(f"{name!r} has shape {tuple(rfp._orig_size)} in the reference and "
+                            f"{tuple(pfp._orig_size)} in the policy")
+        _check_pair(name, rfp.sharded_param, pfp.sharded_param)
+        _check_pair(name, rfp.sharded_param._local_tensor, pfp.sharded_param._local_tensor)
+        managed.add(name)
+        for fp in (rfp, pfp):
+            managed.add(id(fp.sharded_param))
+            up = getattr(fp, "_unsharded_param", None)
+            if up is not None:
+                managed.add(id(up))
+        # the policy may be unsharded (e.g. after a no-grad generation forward): its sharded_param is still
+        # the authoritative shard, so read that rather than whatever is registered on the module
+        pairs.add(name, lambda fp=rfp: fp.sharded_param._local_tensor, lambda fp=pfp: fp.sharded_param._local_tensor)
     _add_named(pairs, ref, pol, "p", skip=lambda n, t: n in managed or id(t) in managed)  # ignored params
     _add_named(pairs, ref, pol, "b")
 
