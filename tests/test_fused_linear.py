@@ -1,0 +1,174 @@
+"""hk.fused_linear against hk.reference applied to eagerly computed logits ``hidden @ weight.T + bias``.
+
+Every case runs on the eager ops path (TRITON_INTERPRET=0) and the Triton interpreter path (TRITON_INTERPRET=1),
+with tiny chunk budgets so chunk boundaries fall at odd places, rows of different lengths, bias on/off,
+fp32/bf16 and clipping on/off.
+"""
+import pytest
+import torch
+
+import humanline_kernels as hk
+from humanline_kernels import reference as R
+from humanline_kernels.ops import linear_chunks as LC
+
+CLIP = hk.HumanlineClip(-0.3, 0.25)  # narrow band: some tokens inside, some clipped on either side
+
+
+@pytest.fixture(params=["eager", "triton"])
+def path(request, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if request.param == "eager" else "1")
+    return request.param
+
+
+def _case(B=4, T=7, D=12, V=53, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, D, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, D, generator=g) * 0.5).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=g) * 0.3).to(dtype).requires_grad_() if bias else None
+    y = torch.randint(0, V, (B, T), generator=g)
+    for i in range(B):  # rows of different lengths, one of them fully masked when B > 3
+        y[i, T - (i * 3) % (T + 1):] = -100
+    with torch.no_grad():
+        lp = R.token_logprobs(_logits(h, w, b), y)
+        ref = torch.where(y != -100, lp + 0.4 * torch.randn(B, T, generator=g), 0.0)
+    return h, w, b, y, ref, g
+
+
+def _logits(h, w, b):
+    """Eager lm_head: fp32 accumulation, rounded once to the input dtype (what a bf16 cuBLAS GEMM does)."""
+    z = h.float() @ w.float().T + (b.float() if b is not None else 0)
+    return z.to(h.dtype)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def _tols(dtype):
+    return (1e-5, 1e-5) if dtype == torch.float32 else (2e-3, 1e-2)  # (values, gradient relative norm)
+
+
+def _compare(ours, refs, params, dtype):
+    (loss, metrics), (rloss, rmetrics) = ours, refs
+    vtol, gtol = _tols(dtype)
+    torch.testing.assert_close(loss, rloss, atol=vtol, rtol=vtol)
+    assert set(rmetrics) <= set(metrics)
+    for k in rmetrics:
+        torch.testing.assert_close(metrics[k], rmetrics[k], atol=vtol, rtol=vtol, msg=k)
+    live = [p for p in params if p is not None]
+    got = torch.autograd.grad(loss, live)
+    want = torch.autograd.grad(rloss, live)
+    for gg, ww, name in zip(got, want, "hWb"):
+        assert gg.dtype == ww.dtype and gg.shape == ww.shape
+        assert _rel(gg, ww) <= gtol, (name, _rel(gg, ww))
+
+
+LOSSES = [
+    ("grpo", dict(loss_type="dapo")),
+    ("grpo", dict(loss_type="grpo", beta=0.05, epsilon_high=0.28)),
+    ("grpo", dict(loss_type="dr_grpo", max_completion_length=9)),
+    ("grpo", dict(loss_type="bnpo", normalizer=11.0, beta=0.1, kl_ref_logps="kl")),
+    ("dpo", dict(beta=0.2, label_smoothing=0.1)),
+    ("kto", dict(beta=0.3, desirable_weight=1.3, undesirable_weight=0.7)),
+]
+
+
+def _run(name, kw, h, w, b, y, ref, g, *, chunk_bytes, clip):
+    B, T = y.shape
+    kw = dict(kw, clip=clip)
+    mask = y != -100
+    if kw.get("kl_ref_logps") == "kl":
+        kw["kl_ref_logps"] = ref + 0.1 * torch.randn(B, T, generator=g)
+    if name == "grpo":
+        adv = torch.randn(B, generator=g)
+        args, rargs = (ref, adv), (ref, adv, mask)
+    elif name == "dpo":
+        args, rargs = (ref,), (ref, mask)
+    else:
+        des = torch.arange(B) % 3 != 1
+        kl_lp = torch.randn(3, T, generator=g) - 2
+        kl = (kl_lp, kl_lp + 0.5 * torch.randn(3, T, generator=g), torch.rand(3, T, generator=g) > 0.3)
+        args, rargs = (ref, des, *kl), (ref, mask, des, *kl)
+    ours = getattr(hk.fused_linear, name)(h, w, y, *args, bias=b, chunk_bytes=chunk_bytes, **kw)
+    lp = R.token_logprobs(_logits(h, w, b), y)
+    return ours, getattr(R, name)(lp, *rargs, **kw)
+
+
+@pytest.mark.parametrize("name,kw", LOSSES, ids=[f"{n}-{k.get('loss_type', '')}" for n, k in LOSSES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_losses_match_reference(path, name, kw, dtype):
+    B = 4 if name != "kto" else 5
+    h, w, b, y, ref, g = _case(B=B, dtype=dtype, bias=dtype == torch.float32 or name == "dpo")
+    V = w.shape[0]
+    # 5 tokens' worth of logits per chunk: GRPO chunks cut rows at odd places; KTO/DPO fall back to one row/pair
+    budget = 5 * V * w.element_size()
+    ours, refs = _run(name, kw, h, w, b, y, ref, g, chunk_bytes=budget, clip=CLIP)
+    assert 0.2 < float(refs[1]["unclipped_frac"]) < 0.9  # the band is active: tokens clipped and unclipped
+    _compare(ours, refs, (h, w, b), dtype)
+
+
+@pytest.mark.parametrize("name,kw", [LOSSES[0], LOSSES[1], LOSSES[4], LOSSES[5]], ids=["dapo", "grpo", "dpo", "kto"])
+@pytest.mark.parametrize("chunk_tokens", [1, 17, 10_000])
+def test_clip_off_and_chunk_sizes(name, kw, chunk_tokens):
+    h, w, b, y, ref, g = _case(B=6, T=5, bias=chunk_tokens != 17, seed=chunk_tokens)
+    ours, refs = _run(name, kw, h, w, b, y, ref, g, chunk_bytes=chunk_tokens * w.shape[0] * 4, clip=None)
+    _compare(ours, refs, (h, w, b), torch.float32)
+
+
+def test_grad_output_scaling_and_partial_requires_grad():
+    h, w, b, y, ref, g = _case()
+    adv = torch.randn(4, generator=g)
+    loss, _ = hk.fused_linear.grpo(h, w, y, ref, adv, bias=b, chunk_bytes=3 * 53 * 4)
+    (loss * 2.5).backward()
+    rl, _ = R.grpo(R.token_logprobs(_logits(h, w, b), y), ref, adv, y != -100)
+    want = torch.autograd.grad(rl * 2.5, (h, w, b))
+    for p, ww in zip((h, w, b), want):
+        torch.testing.assert_close(p.grad, ww, atol=1e-5, rtol=1e-5)
+    # only the weight trainable (frozen trunk): no dh formed, dW still right
+    w2 = w.detach().requires_grad_()
+    loss, _ = hk.fused_linear.dpo(h.detach(), w2, y, ref)
+    loss.backward()
+    rl, _ = R.dpo(R.token_logprobs(h.detach() @ w2.T, y), ref, y != -100)
+    torch.testing.assert_close(w2.grad, torch.autograd.grad(rl, w2)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_no_grad_loss_forms_no_gradient(monkeypatch):
+    h, w, b, y, ref, g = _case()
+    calls = []
+    real = LC.run
+    monkeypatch.setattr(LC, "run", lambda *a, **k: calls.append(k.get("coef")) or real(*a, **k))
+    with torch.no_grad():
+        loss, m = hk.fused_linear.kto(h, w, y, ref, torch.arange(4) % 2 == 0, bias=b)
+    assert loss.grad_fn is None and calls == [None]
+    rl, _ = R.kto(R.token_logprobs(_logits(h, w, b), y), ref, y != -100, torch.arange(4) % 2 == 0)
+    torch.testing.assert_close(loss, rl, atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ token log-probs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_token_logprobs(path, dtype):
+    h, w, b, y, _, g = _case(B=3, T=6, dtype=dtype)
+    hh, yy = h.view(3, 2, 3, -1), y.view(3, 2, 3)  # [..., D] with two leading dims
+    lp, ent = hk.fused_linear.token_logprobs(hh, w, yy, bias=b, temperature=0.7, return_entropy=True,
+                                             chunk_bytes=4 * 53 * w.element_size())
+    rlp, rent = R.token_logprobs(_logits(hh, w, b), yy, temperature=0.7, return_entropy=True)
+    vtol, gtol = _tols(dtype)
+    assert lp.dtype == torch.float32 and lp.shape == yy.shape and not ent.requires_grad
+    torch.testing.assert_close(lp, rlp, atol=vtol, rtol=vtol)
+    torch.testing.assert_close(ent, rent, atol=vtol, rtol=vtol)
+    assert bool((lp[yy == -100] == 0).all())
+    go = torch.randn(yy.shape, generator=g)
+    got = torch.autograd.grad((lp * go).sum(), (h, w, b))
+    want = torch.autograd.grad((rlp * go).sum(), (h, w, b))
+    for a, c in zip(got, want):
+        assert _rel(a, c) <= gtol
+
+
+def test_token_logprobs_nograd_saves_nothing():
+    h, w, b, y, _, _ = _case()
+    lp = hk.fused_linear.token_logprobs_nograd(h, w, y, bias=b)
+    assert lp.grad_fn is None and not lp.requires_grad
+    with torch.no_grad():
+        lp2 = hk.fused_linear.token_logprobs(h, w, y, bias=b)
+    assert lp2.grad_fn is None
+    torch.testing.assert_close(lp, R.token_logprobs(_logits(h, w, b), y).detach(), atol=1e-5, rtol=1e-5)
