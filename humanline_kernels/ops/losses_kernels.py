@@ -26,6 +26,13 @@ MODE_RATIO, MODE_GRPO = 1, 2
 
 
 @triton.jit
+def _clamp(x, lo, hi):
+    # NaN stays NaN (as torch.clamp), so NaN logits give a NaN loss instead of a clamped number
+    nan = tl.PropagateNan.ALL
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=nan), hi, propagate_nan=nan)
+
+
+@triton.jit
 def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, w_ptr, g_ptr, g_sb,
                         g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, N, T, V, inv_t, ignore_index, clip_lo, clip_hi,
                         rho_lo, rho_hi, beta, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr,
@@ -39,7 +46,7 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
     logp = tl.where(valid, zy - lse, 0.0)
     delta = logp - tl.load(ref_ptr + r)
     if CLIP:
-        dh = tl.minimum(tl.maximum(delta, clip_lo), clip_hi)
+        dh = _clamp(delta, clip_lo, clip_hi)
         inside = valid & (delta > clip_lo) & (delta < clip_hi)
         dpass = (delta >= clip_lo) & (delta <= clip_hi)
     else:
@@ -55,8 +62,8 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
         a = tl.load(adv_ptr + r // T).to(tl.float32)
         rho = tl.exp(dh)
         a1 = a * rho
-        a2 = a * tl.minimum(tl.maximum(rho, rho_lo), rho_hi)
-        u = -tl.minimum(a1, a2)
+        a2 = a * _clamp(rho, rho_lo, rho_hi)
+        u = -tl.minimum(a1, a2, propagate_nan=tl.PropagateNan.ALL)
         du = tl.where((a1 <= a2) & dpass, -a1, 0.0)
         if HAS_KL_REF:
             lkl = tl.load(klref_ptr + r)

@@ -1,0 +1,210 @@
+"""hk.fused.{grpo,dpo,kto} (one-pass Triton token terms, CPU interpreter) against hk.reference: values, metrics,
+logits gradients; GRPO gradient-in-forward; in-place backward; eager fallback; custom-op registration."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import humanline_kernels as hk
+from humanline_kernels import ops
+
+GTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def _data(B, T, V, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, T + 1, V, generator=g) * 2).to(dtype)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[torch.rand(B, T, generator=g) < 0.2] = -100
+    y[-1] = -100  # an all-ignored row
+    # reference log-probs near the policy's so that some tokens land inside the clip band and some outside
+    ref = hk.reference.token_logprobs(x[:, :-1].float(), y) + torch.randn(B, T, generator=g) * 1.2
+    return x, y, torch.where(y != -100, ref, 0.0)
+
+
+def _run(kind, x, y, ref, extra, kw, *, upstream=1.0):
+    """(loss, metrics, dlogits) of the reference and of hk.fused on the view x[:, :-1]."""
+    out = []
+    for impl in ("ref", "fused"):
+        leaf = x.detach().clone().requires_grad_()
+        if impl == "ref":
+            logps = hk.reference.token_logprobs(leaf[:, :-1].float(), y, temperature=kw.get("temperature", 1.0))
+            lkw = {k: v for k, v in kw.items() if k not in ("temperature", "grad_in_forward", "inplace_backward")}
+            args = (*extra[:1], y != -100, *extra[1:]) if kind == "grpo" else (y != -100, *extra)
+            loss, m = getattr(hk.reference, kind)(logps, ref, *args, **lkw)
+        else:
+            src = leaf * 1 if kw.get("inplace_backward") else leaf  # in place needs an intermediate buffer
+            loss, m = getattr(hk.fused, kind)(src[:, :-1], y, ref, *extra, **kw)
+        (loss * upstream).backward()
+        out.append((loss.detach(), m, leaf.grad))
+    (lr, mr, gr), (lf, mf, gf) = out
+    assert lf.shape == () and lf.dtype == torch.float32
+    torch.testing.assert_close(lf, lr, atol=2e-3 if x.dtype != torch.float32 else 1e-5, rtol=1e-3)
+    assert set(mr) <= set(mf)
+    for k in mr:
+        assert not mf[k].requires_grad, k
+        torch.testing.assert_close(mf[k].float(), mr[k].float(), atol=1e-2 if x.dtype != torch.float32 else 1e-5,
+                                   rtol=0, msg=k)
+    err = ((gf.float() - gr.float()).norm() / gr.float().norm().clamp(min=1e-12)).item()
+    assert err < GTOL[x.dtype], err
+    return gf
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("gif", [False, True])
+def test_grpo_loss_types(loss_type, gif):
+    x, y, ref = _data(4, 5, 130)
+    adv = torch.tensor([1.0, -0.5, 0.7, 2.0])
+    kw = dict(loss_type=loss_type, beta=0.05, grad_in_forward=gif)
+    if loss_type == "dr_grpo":
+        kw["max_completion_length"] = 8
+    _run("grpo", x, y, ref, (adv,), kw, upstream=1.0 if loss_type != "grpo" else 2.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grpo_dtypes_kl_ref_temperature(dtype):
+    x, y, ref = _data(3, 5, 200, dtype, seed=1)
+    kl_ref = ref + 0.1 * torch.randn(ref.shape)
+    kw = dict(beta=0.1, kl_ref_logps=kl_ref, temperature=0.8, clip=None, epsilon_high=0.28)
+    _run("grpo", x, y, ref, (torch.tensor([0.5, -1.0, 1.0]),), kw)
+    _run("grpo", x, y, ref, (torch.tensor([0.5, -1.0, 1.0]),), dict(kw, grad_in_forward=True, normalizer=7.0))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_grpo_grad_in_forward_upstream(inplace):
+    """grad_output != 1 is applied by the device-side scale; in place writes into the logits buffer."""
+    x, y, ref = _data(2, 4, 77, torch.bfloat16, seed=2)
+    _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True, inplace_backward=inplace),
+         upstream=-3.0)
+
+
+@pytest.mark.parametrize("clip", [hk.HumanlineClip(), None])
+def test_dpo(clip):
+    x, y, ref = _data(4, 5, 150, seed=3)
+    _run("dpo", x, y, ref, (), dict(clip=clip, beta=0.2, label_smoothing=0.1, temperature=1.5))
+
+
+def test_dpo_bf16_inplace():
+    x, y, ref = _data(2, 6, 100, torch.bfloat16, seed=4)
+    _run("dpo", x, y, ref, (), dict(inplace_backward=True))
+
+
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_kto(with_kl):
+    x, y, ref = _data(4, 5, 90, seed=5)
+    desirable = torch.tensor([True, False, True, False])
+    extra = (desirable,)
+    if with_kl:
+        g = torch.Generator().manual_seed(6)
+        extra += (torch.randn(3, 4, generator=g) - 2, torch.randn(3, 4, generator=g) - 2.5,
+                  torch.rand(3, 4, generator=g) > 0.3)
+    _run("kto", x, y, ref, extra, dict(beta=0.3, desirable_weight=1.3, clip=hk.HumanlineClip(-1.0, 1.0)))
+
+
+def test_eager_fallback(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, y, ref = _data(2, 4, 60, seed=7)
+    _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(loss_type="grpo", grad_in_forward=True))
+    _run("dpo", x, y, ref, (), {})
+    # the op-level eager fallback of the fused GRPO gradient (used by the fused-linear path on CPU)
+    x3, mask = x[:, :-1], y != -100
+    w = ops.grpo_row_weights(mask, loss_type="dapo")
+    out = torch.empty_like(x3)
+    val, coef, lse, aux = ops.grpo_fwd_grad(x3, y, ref, torch.tensor([1.0, -1.0]), w, out=out,
+                                            clip=hk.HumanlineClip(), temperature=1.0, ignore_index=-100)
+    leaf = x3.detach().clone().requires_grad_()
+    hk.reference.grpo(hk.reference.token_logprobs(leaf, y), ref, torch.tensor([1.0, -1.0]), mask)[0].backward()
+    torch.testing.assert_close(out, leaf.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_nan_logits_propagate():
+    x, y, ref = _data(2, 3, 40, seed=8)
+    x[0, 1, :] = float("nan")
+    assert torch.isnan(hk.fused.grpo(x[:, :-1], y, ref, torch.ones(2), clip=None)[0])
+    assert torch.isnan(hk.fused.dpo(x[:, :-1], y, ref, clip=None)[0])
+
+
+@pytest.mark.parametrize("case", ["odd_dpo", "advantages", "ref_shape", "label", "clip", "loss_type"])
+def test_bad_inputs(case):
+    x, y, ref = _data(2, 3, 20)
+    with pytest.raises(ValueError):
+        if case == "odd_dpo":
+            hk.fused.dpo(x[:1, :-1], y[:1], ref[:1])
+        elif case == "advantages":
+            hk.fused.grpo(x[:, :-1], y, ref, torch.ones(3))
+        elif case == "ref_shape":
+            hk.fused.kto(x[:, :-1], y, ref[:, :2], torch.ones(2, dtype=torch.bool))
+        elif case == "label":
+            y[0, 0] = 20
+            hk.fused.grpo(x[:, :-1], y, ref, torch.ones(2))
+        elif case == "clip":
+            hk.fused.dpo(x[:, :-1], y, ref, clip=(-1, 1))
+        else:
+            hk.fused.grpo(x[:, :-1], y, ref, torch.ones(2), loss_type="sum")
+
+
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 3), T=st.integers(1, 4), V=st.integers(2, 200), seed=st.integers(0, 99),
+       gif=st.booleans())
+def test_property_grpo(B, T, V, seed, gif):
+    x, y, ref = _data(B, T, V, seed=seed)
+    adv = torch.randn(B, generator=torch.Generator().manual_seed(seed))
+    _run("grpo", x, y, ref, (adv,), dict(beta=0.04, loss_type="grpo", grad_in_forward=gif))
+
+
+def test_opcheck():
+    x, y, ref = _data(2, 3, 40)
+    x3 = x[:, :-1]
+    lse = ops.logprobs_fwd(x3, y, 1.0, -100, False)[1]
+    g = torch.randn(2, 3)
+    hl = torch.ops.humanline
+    cases = [
+        (hl.logprobs_fwd, (x3, y, 0.9, -100, True)),
+        (hl.logprobs_bwd, (x3, y, lse, g, 0.9, -100)),
+        (hl.logprobs_bwd_, (x.clone()[:, :-1], y, lse, g, 1.0, -100)),
+        (hl.token_terms, (x3, y, ref, None, torch.ones(2), 2, True, -1.5, 1.5, 0.2, 0.2, 0.1, 1.0, -100)),
+        (hl.grpo_grad_fwd, (x3, y, ref, ref, torch.ones(2), torch.ones(2), torch.empty_like(x3), True, -1.5, 1.5,
+                            0.2, 0.2, 0.1, 1.0, -100)),
+        (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor(2.0))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compile_fullgraph_step():
+    x, y, ref = _data(2, 3, 40)
+    w = torch.randn(40, 8, requires_grad=True)
+    h = torch.randn(2, 4, 8)
+
+    def step(h, w):
+        logits = h @ w.t()
+        loss, m = hk.fused.grpo(logits[:, :-1], y, ref, torch.ones(2), validate=False)
+        lp = hk.token_logprobs(logits[:, :-1], y, validate=False)
+        return loss + lp.sum() * 0.01, m["kl"]
+
+    torch._dynamo.reset()
+    cl, _ = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w)
+    (gc,) = torch.autograd.grad(cl, w)
+    el, _ = step(h, w)
+    (ge,) = torch.autograd.grad(el, w)
+    torch.testing.assert_close(cl, el)
+    torch.testing.assert_close(gc, ge)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gif", [False, True])
+def test_gpu_compile_inductor_and_large_vocab(gif):
+    V = 151936
+    x = torch.randn(4, 33, V, device="cuda", dtype=torch.bfloat16) * 2
+    y = torch.randint(0, V, (4, 32), device="cuda")
+    ref = hk.reference.token_logprobs(x[:, :-1].float(), y) + 0.5 * torch.randn(4, 32, device="cuda")
+    adv = torch.randn(4, device="cuda")
+    xr = x.float().requires_grad_()
+    lr, _ = hk.reference.grpo(hk.reference.token_logprobs(xr[:, :-1], y), ref, adv, y != -100)
+    lr.backward()
+    xk = x.detach().requires_grad_()
+    fn = torch.compile(lambda z: hk.fused.grpo(z[:, :-1], y, ref, adv, grad_in_forward=gif, validate=False)[0],
+                       fullgraph=True)
+    lk = fn(xk)
+    lk.backward()
+    torch.testing.assert_close(lk, lr.detach(), atol=2e-3, rtol=1e-3)
+    assert ((xk.grad.float() - xr.grad).norm() / xr.grad.norm()).item() < 1e-2
