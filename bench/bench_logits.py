@@ -1,0 +1,146 @@
+"""Logits-path benchmark: token log-probs and fused humanline losses, forward + backward, side by side.
+
+``python -m bench logits [--quick] [--out DIR] [--n N] [--vocab V ...] [--only SUBSTR ...]``
+
+Shapes: ``N`` tokens (default 8192) x ``V`` in {32000, 128256, 151936, 262144}, bf16 logits. Every row times one
+forward + backward (``torch.autograd.grad``, so nothing accumulates into ``.grad``) and records the peak memory
+allocated beyond the inputs. Floors come from the copy bandwidth measured in the same run (bytes read + written
+per ms): the 3-pass floor reads the logits in the forward and reads + writes them in the backward
+(``3 * N * V * 2`` bytes), the 2-pass floor is one read + one write (gradient formed in the forward).
+Baselines: eager fp32 ``log_softmax + gather``, its ``torch.compile`` version, Liger-Kernel
+``CrossEntropyLoss(reduction="none")`` and ``triton_grpo_loss``, quack ``cross_entropy(reduction="none")``
+(each when importable). ``--quick``: a tiny CPU smoke of the harness (eager paths, seconds).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from . import common
+
+VOCABS = (32000, 128256, 151936, 262144)
+
+
+def _inputs(N, V, device, dtype, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(1, N, V, device=device, generator=g) * 2).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (1, N), device=device, generator=g)
+    ref = torch.randn(1, N, device=device, generator=g) * 0.3 - 12.0
+    return x, y, ref
+
+
+def _impls(x, y, ref, quick):
+    """name -> (callable doing forward + backward, passes over the logits it needs at best: 3 or 2)."""
+    import humanline_kernels as hk
+
+    N, V = x.shape[1], x.shape[2]
+    g = torch.randn(1, N, device=x.device)
+    adv = torch.randn(1, device=x.device)
+    half = ref.new_zeros(2, N // 2)
+
+    def grad(out, go=None):
+        return torch.autograd.grad(out, x, go)[0]
+
+    def eager_lp(z):
+        return torch.log_softmax(z.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+    impls = {
+        "hk.token_logprobs": (lambda: grad(hk.token_logprobs(x, y, validate=False), g), 3),
+        "hk.token_logprobs(inplace)": (lambda: grad(hk.token_logprobs(x, y, validate=False, inplace_backward=True),
+                                                    g), 3),
+        "hk.fused.grpo": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False)[0]), 3),
+        "hk.fused.grpo(grad_in_fwd)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False,
+                                                                  grad_in_forward=True)[0]), 2),
+        "hk.fused.grpo(grad_in_fwd,inplace)": (lambda: grad(hk.fused.grpo(
+            x, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True, inplace_backward=True)[0]), 2),
+        "hk.fused.dpo": (lambda: grad(hk.fused.dpo(x.view(2, N // 2, V), y.view(2, -1), half, validate=False)[0]),
+                         3),
+        "hk.fused.kto": (lambda: grad(hk.fused.kto(x.view(2, N // 2, V), y.view(2, -1), half,
+                                                   torch.tensor([True, False], device=x.device),
+                                                   validate=False)[0]), 3),
+        "eager fp32 log_softmax+gather": (lambda: grad(eager_lp(x), g), 3),
+    }
+    if not quick:
+        compiled = torch.compile(eager_lp)
+        impls["torch.compile log_softmax+gather"] = (lambda: grad(compiled(x), g), 3)
+    try:
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+        ce = LigerCrossEntropyLoss(reduction="none")
+        impls["liger CE(reduction=none)"] = (lambda: grad(ce(x.view(N, V), y.view(N)), g.view(N)), 3)
+    except Exception:
+        pass
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+        xl = torch.cat([x.detach(), x.detach()[:, -1:]], 1).requires_grad_()  # Liger wants [B, L + 1, V]
+
+        def liger_grpo():
+            out = triton_grpo_loss(xl, None, ref, y, adv, temperature=1.0, beta=0.04, loss_type="dapo",
+                                   reduce=True)
+            return torch.autograd.grad(out[0] if isinstance(out, tuple) else out, xl)[0]
+        impls["liger triton_grpo_loss"] = (liger_grpo, 3)
+    except Exception:
+        pass
+    try:
+        from quack.cross_entropy import cross_entropy as quack_ce
+        impls["quack cross_entropy(none)"] = (lambda: grad(quack_ce(x.view(N, V), y.view(N), reduction="none"),
+                                                           g.view(N)), 3)
+    except Exception:
+        pass
+    return impls
+
+
+def run(N, vocabs, *, quick, only=None, out_dir="bench/out"):
+    device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+    dtype = torch.bfloat16
+    bw = common.copy_bandwidth_bytes_per_ms(device=device)
+    rows = []
+    for V in vocabs:
+        x, y, ref = _inputs(N, V, device, dtype)
+        nbytes = N * V * x.element_size()
+        floor = {3: 3 * nbytes / bw, 2: 2 * nbytes / bw}
+        results = {}
+        for name, (fn, passes) in _impls(x, y, ref, quick).items():
+            if only and not any(s in name for s in only):
+                continue
+            row = {"impl": name, "N": N, "V": V, "floor3_ms": floor[3], "floor2_ms": floor[2]}
+            try:
+                row["ms"] = common.time_ms(fn, warmup=2 if quick else 25, rep=10 if quick else 100)
+                peak = common.peak_extra_bytes(fn)
+                row["peak_extra_MiB"] = None if peak is None else peak / 2**20
+                row["beyond_grad_MiB"] = None if peak is None else (peak - nbytes) / 2**20
+                row["ratio_3pass"] = row["ms"] / floor[3]
+                row["ratio_2pass"] = row["ms"] / floor[2]
+                row["floor_passes"] = passes
+                results[name] = row["ms"]
+            except Exception as e:  # a peer that fails at this shape is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+            x.grad = None
+        for row in rows:
+            if row["V"] == V and "ms" in row:
+                for base in ("eager fp32 log_softmax+gather", "liger triton_grpo_loss"):
+                    if base in results:
+                        row["speedup_vs_" + base.split()[0] + ("_grpo" if "grpo" in base else "")] = \
+                            results[base] / row["ms"]
+        del x, y, ref
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    meta = {"N": N, "vocabs": list(vocabs), "dtype": "bfloat16", "copy_bandwidth_TBps": bw * 1e3 / 1e12,
+            "quick": quick, "what": "forward + backward (autograd.grad) per impl; floors from the measured copy"}
+    return common.save("logits" + ("_quick" if quick else ""), rows, meta, out_dir, x="V", y="ratio_3pass")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench logits", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke of the harness (seconds)")
+    p.add_argument("--out", default="bench/out", help="output directory for JSON and PNG")
+    p.add_argument("--n", type=int, default=None, help="tokens (default 8192; 64 with --quick)")
+    p.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes")
+    p.add_argument("--only", nargs="+", default=None, help="run only impls whose name contains one of these")
+    a = p.parse_args(argv)
+    N = a.n or (64 if a.quick else 8192)
+    vocabs = a.vocab or ((1000, 3000) if a.quick else VOCABS)
+    path = run(N, vocabs, quick=a.quick, only=a.only, out_dir=a.out)
+    print(f"wrote {path}")
+    return 0
