@@ -178,8 +178,9 @@ def test_compile_fullgraph_step():
     def step(h, w):
         logits = h @ w.t()
         loss, m = hk.fused.grpo(logits[:, :-1], y, ref, torch.ones(2), validate=False)
+        loss2, _ = hk.fused.grpo(logits[:, :-1], y, ref, torch.ones(2), validate=False, grad_in_forward=True)
         lp = hk.token_logprobs(logits[:, :-1], y, validate=False)
-        return loss + lp.sum() * 0.01, m["kl"]
+        return loss + 0.5 * loss2 + lp.sum() * 0.01, m["kl"]
 
     torch._dynamo.reset()
     cl, _ = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w)

@@ -2,6 +2,9 @@
 
 ``logprobs_fwd`` / ``logprobs_bwd`` take canonical 3-D views ``logits [B, T, V]`` (last stride 1) and
 ``labels [B, T]``; see :mod:`humanline_kernels.ops.eager` for the math and the exact signatures.
+``token_terms_fwd`` (per-token DPO/KTO/GRPO terms in the log-prob pass), ``grpo_fwd_grad`` (GRPO gradient
+formed in the forward), ``grpo_row_weights`` and ``scale_rows_`` serve the fused losses; the ``torch.library``
+registrations are in :mod:`.custom_ops`. fp64 logits always take the eager path.
 """
 from __future__ import annotations
 
