@@ -1,0 +1,3 @@
+from .demo import main
+
+raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""The main job runs end to end (reduced sizes) for every objective and prints its measured table."""
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from humanline_kernels import demo
+
+
+def test_rule_checker():
+    prompts = torch.tensor([[demo.BOS, 4, 5, 6, 4 + demo.K - 1, demo.SEP]])
+    want = demo.rule_completion(prompts)
+    assert want.tolist() == [[4, 5, 6, 7, 8]]  # wraps around after the last symbol
+    good = torch.cat([want, torch.tensor([[demo.EOS]])], 1)
+    assert demo.token_scores(prompts, good).min().item() == 1.0
+    bad = good.clone()
+    bad[0, 2] = 4
+    assert demo.token_scores(prompts, bad).sum().item() == 5.0
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto", "grpo"])
+def test_demo_runs(objective):
+    out = io.StringIO()
+    res = demo.run(objective, steps=3, sft_steps=3, eval_n=16, batch=8, quiet=True, out=out, sync_every=1)
+    text = out.getvalue()
+    assert f"offline {objective}" in text and f"humanline {objective}" in text
+    offline, humanline = res["rows"]
+    assert offline["clip_frac"] is None and 0.0 <= humanline["clip_frac"] <= 1.0
+    for r in res["rows"]:
+        assert 0.0 <= r["rule_rate"] <= 1.0 and torch.isfinite(torch.tensor(r["final_loss"]))
+
+
+def test_demo_cli():
+    cmd = [sys.executable, "-m", "humanline_kernels.demo", "--steps", "2", "--sft-steps", "2", "--batch", "8",
+           "--objective", "dpo", "--quiet"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "humanline dpo" in p.stdout and "rule_rate" in p.stdout
