@@ -9,7 +9,13 @@ import torch
 
 import humanline_kernels as hk
 from humanline_kernels import reference as R
+from humanline_kernels import ops
 from humanline_kernels.ops import linear_chunks as LC
+
+# Import triton and decorate the kernels now, under conftest's TRITON_INTERPRET=1: a first import while a test has
+# flipped it to 0 (the eager path) would build compiled-mode helpers the interpreter then cannot call.
+if ops.triton_available():
+    import humanline_kernels.ops.logprobs  # noqa: F401
 
 CLIP = hk.HumanlineClip(-0.3, 0.25)  # narrow band: some tokens inside, some clipped on either side
 

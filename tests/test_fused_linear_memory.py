@@ -1,0 +1,166 @@
+"""hk.fused_linear: at most one chunk of logits alive, 6*N*D*V GEMM flops for the losses, documented bad inputs."""
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import humanline_kernels as hk
+from humanline_kernels import ops
+from humanline_kernels.ops import linear_chunks as LC
+
+# Import triton and decorate the kernels now, under conftest's TRITON_INTERPRET=1: a first import while a test has
+# flipped it to 0 (the eager path) would build compiled-mode helpers the interpreter then cannot call.
+if ops.triton_available():
+    import humanline_kernels.ops.logprobs  # noqa: F401
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created by aten ops while active (freed when their tensor dies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cur = self.peak = 0
+        self.live = {}
+
+    def _free(self, ptr):
+        self.cur -= self.live.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr == 0 or ptr in self.live:  # in-place / out= results reuse a storage already counted
+                    continue
+                self.live[ptr] = t.untyped_storage().nbytes()
+                self.cur += self.live[ptr]
+                self.peak = max(self.peak, self.cur)
+                weakref.finalize(t, self._free, ptr)
+        return out
+
+
+B, T, D, V = 4, 32, 8, 1024
+ROWS = 8  # tokens per chunk: 1/16 of the logits
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(B, T, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=True)
+    y = torch.randint(0, V, (B, T), generator=g)
+    return h, w, y, torch.randn(B, T, generator=g) - 8, torch.randn(B, generator=g)
+
+
+def _grpo(h, w, y, ref, adv):
+    loss, _ = hk.fused_linear.grpo(h, w, y, ref, adv, chunk_bytes=ROWS * V * 4)
+    loss.backward()
+
+
+def _eager(h, w, y, ref, adv):
+    loss, _ = hk.reference.grpo(hk.reference.token_logprobs(h @ w.T, y), ref, adv, y != -100)
+    loss.backward()
+
+
+@pytest.mark.parametrize("interp", ["0", "1"], ids=["eager", "triton"])
+def test_peak_memory_is_one_chunk(monkeypatch, interp):
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    buffers = []
+    real = LC.new_buffer
+    monkeypatch.setattr(LC, "new_buffer", lambda n, dt, dev: buffers.append(n) or real(n, dt, dev))
+    full_logits = B * T * V * 4
+    chunk = ROWS * V * 4
+    grads = 2 * V * D * 4  # fp32 dW accumulator + the returned weight.grad
+    with LiveBytes() as mem:
+        _grpo(*_inputs())
+    assert buffers == [ROWS * V]  # one reused buffer of one chunk
+    # The eager fallback holds a few chunk-sized fp32 temporaries (upcast, exp); never the whole logits.
+    assert mem.peak <= grads + 6 * chunk < full_logits, (mem.peak, full_logits)
+    with LiveBytes() as eager:  # the check itself can fail: materialised logits blow it
+        _eager(*_inputs())
+    assert eager.peak > grads + 6 * chunk
+
+
+class GemmFlops(TorchDispatchMode):
+    """2*m*n*k for every mm / addmm (out= and in-place overloads included, unlike FlopCounterMode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2:] if func.overloadpacket is not torch.ops.aten.mm else args[:2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def _gemm_flops(fn):
+    with GemmFlops() as fc:
+        fn()
+    return fc.flops
+
+
+def test_losses_never_recompute_the_gemm(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    h, w, y, ref, adv = _inputs()
+    ndv = 2 * B * T * D * V  # one GEMM
+    assert _gemm_flops(lambda: _grpo(h, w, y, ref, adv)) == 3 * ndv
+    assert _gemm_flops(lambda: hk.fused_linear.dpo(h, w, y, ref, chunk_bytes=ROWS * V * 4)[0].backward()) == 3 * ndv
+    des = torch.arange(B) % 2 == 0
+    assert _gemm_flops(lambda: hk.fused_linear.kto(h, w, y, ref, des)[0].backward()) == 3 * ndv
+    # plain log-probs: per-token grad_output is only known in backward, so the GEMM is recomputed there
+    assert _gemm_flops(lambda: hk.fused_linear.token_logprobs(h, w, y).sum().backward()) == 4 * ndv
+    with torch.no_grad():
+        assert _gemm_flops(lambda: hk.fused_linear.grpo(h, w, y, ref, adv)) == ndv
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+def _small():
+    h = torch.randn(2, 3, 4)
+    w = torch.randn(7, 4)
+    y = torch.randint(0, 7, (2, 3))
+    return h, w, y, torch.zeros(2, 3)
+
+
+@pytest.mark.parametrize("case,match", [
+    (lambda h, w, y, r: dict(hidden=h[0, 0]), "hidden must have shape"),
+    (lambda h, w, y, r: dict(hidden=h.double()), "weight must have dtype"),
+    (lambda h, w, y, r: dict(weight=w.to("meta")), "weight must be on device"),
+    (lambda h, w, y, r: dict(weight=torch.randn(7, 5)), r"weight must have shape \[V, D\] with D = hidden.shape\[-1\] = 4"),
+    (lambda h, w, y, r: dict(weight=torch.randn(7, 4, 1)), "weight must have 2 dimensions"),
+    (lambda h, w, y, r: dict(bias=torch.randn(6)), "bias must have shape"),
+    (lambda h, w, y, r: dict(bias=torch.randn(7, dtype=torch.float64)), "bias must have dtype"),
+    (lambda h, w, y, r: dict(labels=y.int()), "labels must have dtype"),
+    (lambda h, w, y, r: dict(labels=y[:, :2]), r"labels must have shape \[2, 3\]"),
+    (lambda h, w, y, r: dict(labels=torch.full((2, 3), 7)), r"labels must lie in \[0, 7\)"),
+    (lambda h, w, y, r: dict(labels=torch.full((2, 3), -1)), r"labels must lie in \[0, 7\)"),
+    (lambda h, w, y, r: dict(ref_logps=r[:, :2]), "ref_logps must have shape"),
+    (lambda h, w, y, r: dict(chunk_bytes=0), "chunk_bytes must be a positive int"),
+    (lambda h, w, y, r: dict(temperature=0.0), "temperature must be > 0"),
+])
+def test_bad_inputs_raise(case, match):
+    h, w, y, r = _small()
+    kw = dict(hidden=h, weight=w, labels=y, ref_logps=r)
+    kw.update(case(h, w, y, r))
+    with pytest.raises(ValueError, match=match):
+        hk.fused_linear.dpo(**kw)
+
+
+def test_bad_inputs_loss_specific():
+    h, w, y, r = _small()
+    with pytest.raises(ValueError, match="even, non-zero number of rows"):
+        hk.fused_linear.dpo(h[:1], w, y[:1], r[:1])
+    with pytest.raises(ValueError, match=r"hidden must have shape \[B, T, D\] for a loss"):
+        hk.fused_linear.grpo(h.view(1, 2, 3, 4), w, y.view(1, 2, 3), r.view(1, 2, 3), torch.zeros(1))
+    with pytest.raises(ValueError, match="advantages must have shape"):
+        hk.fused_linear.grpo(h, w, y, r, torch.zeros(3))
+    with pytest.raises(ValueError, match="desirable must have shape"):
+        hk.fused_linear.kto(h, w, y, r, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must be given together"):
+        hk.fused_linear.kto(h, w, y, r, torch.ones(2, dtype=torch.bool), kl_logps=r)
+    with pytest.raises(ValueError, match="labels must lie"):
+        hk.fused_linear.token_logprobs(h, w, torch.full((2, 3), 99))
+    # validate=False skips only the (host-syncing) label range check
+    hk.fused_linear.grpo(h, w, y, r, torch.zeros(2), validate=False)
