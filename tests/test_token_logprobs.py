@@ -51,6 +51,7 @@ def test_all_ignored_rows_and_2d():
     y[1] = -100
     _check(x[:, 1:], y)
     _check(x[0, :3], y[0])  # 2-D [N, V]
+    _check(x[:, 1:], torch.stack([y, y], -1).flatten(1)[:, ::2])  # strided labels view
     y[:] = -100
     _check(x[:, 1:], y)
 
