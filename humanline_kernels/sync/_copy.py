@@ -38,8 +38,8 @@ def load_extension(build: bool = True):
         return None
     try:
         from torch.utils.cpp_extension import load
-        _ext = load(name="humanline_sync_cuda", sources=[os.path.abspath(src)], extra_cuda_cflags=["-O3"],
-                    verbose=False)
+        _ext = load(name="humanline_sync_cuda", sources=[os.path.abspath(src)],
+                    extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
     except Exception as e:  # no nvcc/ninja, incompatible toolkit: the fallback is correct, only slower
         warnings.warn(f"humanline_kernels: could not JIT-build the sync copy kernel ({type(e).__name__}: {e}); "
                       "using torch._foreach_copy_", RuntimeWarning, stacklevel=3)
@@ -73,7 +73,8 @@ class CopyPlan:
             if dd != device:
                 continue
             if self._kernel_ok(dd, sd, st, dt, d, s):
-                _ext.multi_tensor_copy(d, s)
+                with torch.cuda.device(dd):
+                    _ext.multi_tensor_copy(d, s, torch.cuda.current_stream(dd).cuda_stream)
             else:
                 torch._foreach_copy_(d, s)
 
