@@ -395,7 +395,6 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
         _refuse(args.off_policy_mask_threshold is not None, f"{name} does not support off_policy_mask_threshold")
         _refuse(args.top_entropy_quantile < 1.0, f"{name} does not support top_entropy_quantile < 1")
         _refuse(args.entropy_coef != 0.0 or args.use_adaptive_entropy, f"{name} does not support the entropy bonus")
-        _refuse(args.use_bias_correction_kl, f"{name} does not support use_bias_correction_kl")
         if self.hk_humanline:
             gen_every = args.steps_per_generation * args.num_iterations
             _refuse(gen_every != args.gradient_accumulation_steps,
@@ -479,10 +478,18 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
             if mode == "train":
                 normalizer = normalizer * accum / self.args.steps_per_generation
             scale = 1.0
-        loss, met = losses.grpo(logps, denom, advantages.float(), mask, clip=self.hk_clip, beta=self.beta,
-                                epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, kl_ref_logps=kl_ref,
-                                loss_type=self.loss_type, normalizer=normalizer,
-                                max_completion_length=self.max_completion_length)
+        # TRL's use_bias_correction_kl (default True) weights k3 by the ratio exp(logp - old); it applies with
+        # humanline off (parity with TRL). With humanline on the KL term is HALOs' (no weight).
+        bias_corr = kl_ref is not None and self.args.use_bias_correction_kl
+        agg = dict(loss_type=self.loss_type, normalizer=normalizer, max_completion_length=self.max_completion_length)
+        loss, met = losses.grpo(logps, denom, advantages.float(), mask, clip=self.hk_clip,
+                                beta=0.0 if bias_corr else self.beta, epsilon_low=self.epsilon_low,
+                                epsilon_high=self.epsilon_high, kl_ref_logps=kl_ref, **agg)
+        if bias_corr:
+            x = torch.where(mask, kl_ref - logps, 0.0)
+            k3 = (torch.exp(x) - x - 1.0) * torch.exp(logps - denom)
+            loss = loss + self.beta * losses.grpo_aggregate(torch.where(mask, k3, 0.0), mask, **agg)
+            met["kl"] = (k3.detach() * mask).sum() / mask.sum().clamp(min=1)
         loss = loss * scale
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux / accum

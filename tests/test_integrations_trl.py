@@ -1,0 +1,130 @@
+"""Humanline TRL trainers on a tiny random-init Llama (CPU): parity with TRL's stock trainers when humanline is
+off, and, when on, the reference equals the policy from before the previous update at every step."""
+import copy
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer  # noqa: E402
+
+from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer,  # noqa: E402
+                                                HumanlineGRPOConfig, HumanlineGRPOTrainer, HumanlineKTOConfig,
+                                                HumanlineKTOTrainer)
+
+_spec = importlib.util.spec_from_file_location(
+    "hk_tiny", os.path.join(os.path.dirname(__file__), "..", "examples", "tiny.py"))
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+COMMON = dict(report_to=[], use_cpu=True, bf16=False, save_strategy="no", logging_steps=1, gradient_checkpointing=False,
+              disable_tqdm=True, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    tiny.tiny_model().save_pretrained(path)
+    tiny.tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def pref_data():
+    return Dataset.from_list([{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": f"{a + b + 1}!"}
+                              for a in range(4) for b in range(3)])
+
+
+def kto_data():
+    rows = []
+    for a in range(4):
+        for b in range(2):
+            rows.append({"prompt": f"{a}*{b}=", "completion": str(a * b), "label": True})
+            rows.append({"prompt": f"{a}-{b}=", "completion": f"{a + b}?", "label": False})
+    return Dataset.from_list(rows)
+
+
+def grpo_data():
+    return Dataset.from_list([{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)])
+
+
+def digit_reward(completions, **kw):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop; needed by GRPO's loss
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), _grads(trainer.model)
+
+
+def _assert_same(a, b, tol=1e-5):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=tol, atol=tol)
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=tol, atol=tol, msg=n)
+
+
+FUSED = ["off", "logits", "linear"]
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_dpo_off_matches_trl(tiny_path, fused):
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, output_dir=tiny_path + "/o", per_device_train_batch_size=3, max_steps=1)
+    stock = DPOTrainer(tiny_path, args=DPOConfig(**kw), train_dataset=pref_data(), processing_class=tok)
+    ours = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, humanline=False, fused=fused),
+                               train_dataset=pref_data(), processing_class=tok)
+    inputs = stock._prepare_inputs(next(iter(stock.get_train_dataloader())))
+    with torch.no_grad():  # make the policy differ from the reference so the log-ratios are not all 0
+        for p, q in zip(stock.model.parameters(), ours.model.parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+            q.copy_(p)
+    _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs))
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_kto_off_matches_trl(tiny_path, fused):
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, output_dir=tiny_path + "/o", per_device_train_batch_size=4, max_steps=1)
+    stock = KTOTrainer(tiny_path, args=KTOConfig(**kw), train_dataset=kto_data(), processing_class=tok)
+    ours = HumanlineKTOTrainer(tiny_path, args=HumanlineKTOConfig(**kw, humanline=False, fused=fused),
+                               train_dataset=kto_data(), processing_class=tok)
+    inputs = stock._prepare_inputs(next(iter(stock.get_train_dataloader())))
+    with torch.no_grad():
+        for p, q in zip(stock.model.parameters(), ours.model.parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+            q.copy_(p)
+    _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs))
+
+
+GRPO_KW = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, temperature=1.0)
+
+
+@pytest.mark.parametrize("fused,loss_type", [("off", "dapo"), ("logits", "grpo"), ("linear", "dr_grpo"),
+                                             ("linear", "bnpo")])
+def test_grpo_off_matches_trl(tiny_path, fused, loss_type):
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/o", max_steps=1, beta=0.05, loss_type=loss_type)
+    stock = GRPOTrainer(tiny_path, reward_funcs=digit_reward, args=GRPOConfig(**kw), train_dataset=grpo_data(),
+                        processing_class=tok)
+    ours = HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
+                                args=HumanlineGRPOConfig(**kw, humanline=False, fused=fused), processing_class=tok)
+    stock.model.train()
+    inputs = stock._prepare_inputs(next(iter(stock.get_train_dataloader())))
+    with torch.no_grad():  # make ratio != 1 so the PPO clip and the KL both matter
+        inputs["old_per_token_logps"] = inputs["ref_per_token_logps"] + 0.3 * torch.randn_like(
+            inputs["ref_per_token_logps"])
+    _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs))
