@@ -1,0 +1,181 @@
+"""Reference-sync benchmark: copy bandwidth, overlapped step overhead, a small FSDP2 step, vs the state_dict way.
+
+``python -m bench sync [--quick] [--out DIR] [--gemms N]``
+
+1. ``copy``: 1.23 B parameters in 290 tensors (a 24-layer, 2048-wide Qwen2.5-like layout with biases and a
+   128256-row embedding), for (source, target) dtypes bf16->bf16, fp32->bf16 and fp32->fp32: our csrc/ kernel,
+   ``torch._foreach_copy_`` (grouped), a per-tensor ``copy_`` loop and ``ReferenceSyncer.sync()`` end to end.
+   ``ratio_to_copy_bw`` = achieved (read + write) bandwidth / a plain 1 GiB ``copy_`` measured in the same run.
+2. ``overlap``: a GEMM workload (``--gemms`` bf16 8192^3 matmuls, about a 1.2 B-model step) alone, with an
+   overlapped sync (fp32 policy -> bf16 reference) started before and waited after it, and with a blocking sync.
+3. ``fsdp2``: a training step of a small FSDP2 model (world size 1) with and without the overlapped sync, and
+   with the paper's way (``unwrap_model(policy).state_dict()`` + ``reference.load_state_dict``, here the full
+   state dict through ``torch.distributed.checkpoint.state_dict``); ``ratio`` = state_dict way / our sync.
+``--quick``: tiny shapes on CPU (a smoke test of the harness; the numbers mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch import nn
+
+from . import common
+
+
+def layout(scale=1):
+    """Shapes of a 1.23 B-parameter, 290-tensor model (dims divided by ``scale``)."""
+    h, kv, inter, vocab = 2048 // scale, 512 // scale, 4864 // scale, 128256 // scale
+    shapes = [(vocab, h)]
+    for _ in range(24):
+        shapes += [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,), (h, h), (inter, h), (inter, h), (h, inter),
+                   (h,), (h,)]
+    return shapes + [(h,)]
+
+
+class Flat(nn.Module):
+    def __init__(self, shapes, dtype, device):
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(s, device=device).to(dtype)) for s in shapes])
+
+
+def bench_copy(device, scale):
+    from humanline_kernels.sync._copy import load_extension
+    ext = load_extension()
+    shapes = layout(scale)
+    bw = common.copy_bandwidth_bytes_per_ms(device=device)
+    rows = []
+    for st, dt in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)]:
+        pol, ref = Flat(shapes, st, device), Flat(shapes, dt, device)
+        src, dst = [p.data for p in pol.ps], [p.data for p in ref.ps]
+        numel = sum(p.numel() for p in src)
+        nbytes = numel * (st.itemsize + dt.itemsize)
+        syncer = __import__("humanline_kernels").ReferenceSyncer(pol, ref, overlap=False)
+        impls = {"_foreach_copy_": lambda: torch._foreach_copy_(dst, src),
+                 "per-tensor copy_": lambda: [d.copy_(s) for d, s in zip(dst, src)],
+                 "ReferenceSyncer.sync()": syncer.sync}
+        if ext is not None and device == "cuda":
+            stream = torch.cuda.current_stream().cuda_stream
+            impls = {"hk kernel": lambda: ext.multi_tensor_copy(dst, src, stream), **impls}
+        for name, fn in impls.items():
+            ms = common.time_ms(fn)
+            rows.append({"impl": name, "src": str(st)[6:], "dst": str(dt)[6:], "params": numel, "tensors": len(src),
+                         "ms": ms, "TB/s": nbytes / ms / 1e9, "ratio_to_copy_bw": nbytes / ms / bw})
+        del pol, ref, src, dst, syncer, impls
+    return rows, {"copy_bw_TBps": bw / 1e9, "kernel": ext is not None}
+
+
+def bench_overlap(device, scale, gemms):
+    import humanline_kernels as hk
+    shapes = layout(scale)
+    pol, ref = Flat(shapes, torch.float32, device), Flat(shapes, torch.bfloat16, device)
+    n = 8192 if device == "cuda" else 128
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16) / n ** 0.5
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+
+    def work():
+        for _ in range(gemms):
+            torch.mm(a, b)
+
+    over = hk.ReferenceSyncer(pol, ref, overlap=True)
+    block = hk.ReferenceSyncer(pol, ref, overlap=False)
+
+    def with_sync(s):
+        def step():
+            s.start()
+            work()
+            s.wait()
+        return step
+
+    base = common.time_ms(work, warmup=5, rep=30)
+    rows = [{"impl": "GEMMs alone", "ms": base, "added_pct": 0.0}]
+    for name, s in [("GEMMs + overlapped sync", over), ("GEMMs + blocking sync", block)]:
+        ms = common.time_ms(with_sync(s), warmup=5, rep=30)
+        rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base})
+    return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters())}
+
+
+def bench_fsdp2(device):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import humanline_kernels as hk
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        d, layers, tokens = (4096, 12, 8192) if device == "cuda" else (64, 2, 16)
+
+        def make():
+            m = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d)) for _ in range(layers)]).to(device)
+            for blk in m:
+                fully_shard(blk, mesh=mesh, mp_policy=mp)
+            return fully_shard(m, mesh=mesh, mp_policy=mp)
+
+        pol, ref = make(), make()
+        opt = torch.optim.AdamW(pol.parameters(), lr=1e-4)
+        x = torch.randn(tokens, d, device=device)
+        syncer = hk.ReferenceSyncer(pol, ref)
+        full = StateDictOptions(full_state_dict=True)
+
+        def step(sync):
+            with torch.no_grad():
+                ref(x)
+            if sync == "ours":
+                syncer.start()
+            pol(x).float().square().mean().backward()
+            if sync == "ours":
+                syncer.wait()
+            elif sync == "state_dict":
+                set_model_state_dict(ref, get_model_state_dict(pol, options=full), options=full)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        rows = []
+        for name, sync in [("step alone", None), ("step + overlapped sync", "ours"),
+                           ("step + state_dict way", "state_dict")]:
+            rows.append({"impl": name, "ms": common.time_ms(lambda: step(sync), warmup=3, rep=20)})
+        base = rows[0]["ms"]
+        for r in rows:
+            r["added_pct"] = 100 * (r["ms"] - base) / base
+        ours = max(rows[1]["ms"] - base, 1e-9)
+        meta = {"hidden": d, "layers": layers, "tokens": tokens,
+                "state_dict_over_ours_added_time": (rows[2]["ms"] - base) / ours}
+        return rows, meta
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench sync", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    p.add_argument("--out", default=os.path.join("bench", "results"))
+    p.add_argument("--gemms", type=int, default=60)
+    p.add_argument("--skip", nargs="*", default=[], choices=["copy", "overlap", "fsdp2"])
+    a = p.parse_args(argv)
+    device = "cpu" if a.quick or not torch.cuda.is_available() else "cuda"
+    scale = 64 if device == "cpu" else 1
+    gemms = 2 if a.quick else a.gemms
+    if "copy" not in a.skip:
+        rows, meta = bench_copy(device, scale)
+        common.save("sync_copy", rows, {**meta, "device": device}, a.out)
+    if "overlap" not in a.skip:
+        rows, meta = bench_overlap(device, scale, gemms)
+        common.save("sync_overlap", rows, {**meta, "device": device}, a.out)
+    if "fsdp2" not in a.skip:
+        rows, meta = bench_fsdp2(device)
+        print(f"state_dict way / our sync (time added to a step): {meta['state_dict_over_ours_added_time']:.3g}")
+        common.save("sync_fsdp2", rows, {**meta, "device": device}, a.out)
+    return 0
