@@ -1,0 +1,119 @@
+"""Humanline syncing through the TRL trainers (CPU, tiny random-init Llama): at every optimizer step the reference
+holds the policy from before the previous sync step's update; sync_every and gradient accumulation."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from transformers import TrainerCallback  # noqa: E402
+
+from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer,  # noqa: E402
+                                                HumanlineGRPOConfig, HumanlineGRPOTrainer, HumanlineKTOConfig,
+                                                HumanlineKTOTrainer)
+
+_spec = importlib.util.spec_from_file_location(
+    "hk_trl_tests", os.path.join(os.path.dirname(__file__), "test_integrations_trl.py"))
+T = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(T)
+tiny_path = T.tiny_path
+
+
+class Snapshots(TrainerCallback):
+    """Policy and reference weights at the beginning of every optimizer step (before any forward)."""
+
+    def __init__(self, ref_getter):
+        self.ref_getter, self.policy, self.ref = ref_getter, [], []
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        self.policy.append([p.detach().clone() for p in model.parameters()])
+        self.ref.append([p.detach().clone() for p in self.ref_getter().parameters()])
+
+
+def _check_lag(snap, every):
+    """ref at step t == policy at the start of the last sync step s < t (sync steps: s % every == 0)."""
+    steps = len(snap.policy)
+    assert steps >= 2
+    for t in range(1, steps):
+        assert any(not torch.equal(a, b) for a, b in zip(snap.policy[t], snap.policy[t - 1])), "policy did not move"
+        s = ((t - 1) // every) * every
+        for a, b in zip(snap.ref[t], snap.policy[s]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # before any sync the reference is the initial policy
+    for a, b in zip(snap.ref[0], snap.policy[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _train(trainer):
+    snap = Snapshots(lambda: trainer.ref_model)
+    trainer.add_callback(snap)
+    trainer.train()
+    return snap
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+@pytest.mark.parametrize("fused,every,accum", [("logits", 1, 1), ("linear", 3, 1), ("off", 1, 2)])
+def test_dpo_reference_lags_policy(tiny_path, fused, every, accum):
+    steps = 5 if every > 1 else 3
+    args = HumanlineDPOConfig(**T.COMMON, output_dir=tiny_path + "/o", per_device_train_batch_size=2,
+                              gradient_accumulation_steps=accum, max_steps=steps, learning_rate=5e-2,
+                              fused=fused, sync_every=every, log_eps_p=-0.02, log_eps_r=0.02)
+    tr = HumanlineDPOTrainer(tiny_path, args=args, train_dataset=T.pref_data(), processing_class=T.tiny.tiny_tokenizer())
+    snap = _train(tr)
+    _check_lag(snap, every)
+    assert tr.hk_sync.num_syncs == len(range(0, steps, every))  # once per optimizer step, not per micro-batch
+    frac = _logged(tr, "humanline/unclipped_frac")
+    assert len(frac) == steps and frac[0] == 1.0 and min(frac[1:]) < 1.0  # the narrow band clips after step 0
+    assert _logged(tr, "humanline/num_syncs")[-1] == tr.hk_sync.num_syncs
+    for key in ("rewards/chosen", "rewards/margins", "logps/chosen", "entropy", "num_tokens"):
+        assert len(_logged(tr, key)) == steps, key
+
+
+def test_kto_reference_lags_policy(tiny_path):
+    args = HumanlineKTOConfig(**T.COMMON, output_dir=tiny_path + "/o", per_device_train_batch_size=4,
+                              gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-2, fused="logits")
+    tr = HumanlineKTOTrainer(tiny_path, args=args, train_dataset=T.kto_data(), processing_class=T.tiny.tiny_tokenizer())
+    snap = _train(tr)
+    _check_lag(snap, 1)
+    assert tr.hk_sync.num_syncs == 3
+    assert len(_logged(tr, "kl")) == 3 and len(_logged(tr, "humanline/unclipped_frac")) == 3
+
+
+@pytest.mark.parametrize("beta,accum", [(0.0, 1), (0.05, 2)])
+def test_grpo_reference_lags_policy(tiny_path, beta, accum):
+    args = HumanlineGRPOConfig(**T.COMMON, **T.GRPO_KW, output_dir=tiny_path + "/o", max_steps=3, learning_rate=5e-2,
+                               beta=beta, gradient_accumulation_steps=accum, fused="linear")
+    tr = HumanlineGRPOTrainer(tiny_path, reward_funcs=T.digit_reward, args=args, train_dataset=T.grpo_data(),
+                              processing_class=T.tiny.tiny_tokenizer())
+    assert tr.ref_model is not None  # built for humanline even with beta == 0
+    snap = _train(tr)
+    _check_lag(snap, 1)
+    assert tr.hk_sync.num_syncs == 3
+    for key in ("humanline/unclipped_frac", "clip_ratio/region_mean", "entropy"):
+        assert len(_logged(tr, key)) == 3, key
+    assert (len(_logged(tr, "kl")) == 3) == (beta != 0)
+
+
+def test_refusals(tiny_path):
+    tok = T.tiny.tiny_tokenizer()
+    kw = dict(T.COMMON, output_dir=tiny_path + "/o")
+    with pytest.raises(ValueError, match="precompute_ref_log_probs"):
+        HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, precompute_ref_log_probs=True),
+                            train_dataset=T.pref_data(), processing_class=tok)
+    with pytest.raises(ValueError, match="sync_ref_model"):
+        HumanlineKTOTrainer(tiny_path, args=HumanlineKTOConfig(**kw, per_device_train_batch_size=2,
+                                                               sync_ref_model=True),
+                            train_dataset=T.kto_data(), processing_class=tok)
+    with pytest.raises(ValueError, match="one optimizer step"):
+        HumanlineGRPOTrainer(tiny_path, reward_funcs=T.digit_reward, train_dataset=T.grpo_data(), processing_class=tok,
+                             args=HumanlineGRPOConfig(**kw, **T.GRPO_KW, steps_per_generation=2))
+    with pytest.raises(ValueError, match="log_eps_p"):
+        HumanlineDPOConfig(**kw, log_eps_p=1.0, log_eps_r=0.5)
+    with pytest.raises(ValueError, match="fused"):
+        HumanlineDPOConfig(**kw, fused="chunked")
+    with pytest.raises(ValueError, match="sync_every"):
+        HumanlineGRPOConfig(**kw, **T.GRPO_KW, sync_every=0)
