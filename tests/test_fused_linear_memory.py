@@ -164,3 +164,13 @@ def test_bad_inputs_loss_specific():
         hk.fused_linear.token_logprobs(h, w, torch.full((2, 3), 99))
     # validate=False skips only the (host-syncing) label range check
     hk.fused_linear.grpo(h, w, y, r, torch.zeros(2), validate=False)
+
+
+def test_bench_quick_smoke(tmp_path):
+    import json
+
+    from bench import bench_linear
+    assert bench_linear.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "linear_quick.json").read_text())["rows"]}
+    assert rows["lm_head_gemm_fwd_bwd"]["ratio_to_gemm"] == 1.0
+    assert all(rows[k]["ms"] for k in ("ours_dpo", "ours_kto", "eager_grpo"))

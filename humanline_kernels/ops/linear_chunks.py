@@ -52,11 +52,12 @@ def new_buffer(numel, dtype, device):
 _F32_ADDMM = {}
 
 
-def _addmm_f32(acc, a, b):
-    """``acc += a @ b`` with fp32 ``acc`` and low-precision ``a``, ``b``, without an fp32 copy of ``a`` when the
-    backend has a mixed-precision GEMM (``out_dtype``, CUDA in torch >= 2.8)."""
+def _addmm_f32(acc, a, b, beta):
+    """``acc = beta * acc + a @ b`` with fp32 ``acc`` and low-precision ``a``, ``b``, without an fp32 copy of ``a``
+    when the backend has a mixed-precision GEMM (``out_dtype``, CUDA in torch >= 2.8). ``beta=0`` ignores ``acc``'s
+    contents (first chunk: no memset of the accumulator)."""
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
         return
     key = (acc.device.type, a.dtype)
     mode = _F32_ADDMM.get(key)
@@ -66,7 +67,7 @@ def _addmm_f32(acc, a, b):
             try:  # probe once on a tiny problem
                 t = torch.zeros(2, 2, dtype=acc.dtype, device=acc.device)
                 x = torch.zeros(2, 2, dtype=a.dtype, device=acc.device)
-                torch.addmm(t, x, x, out_dtype=acc.dtype, out=t)
+                torch.addmm(t, x, x, beta=0, out_dtype=acc.dtype, out=t)
                 mode = "addmm_out_dtype"
             except Exception:
                 try:
@@ -76,11 +77,14 @@ def _addmm_f32(acc, a, b):
                     pass
         _F32_ADDMM[key] = mode
     if mode == "addmm_out_dtype":
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
     elif mode == "mm_out_dtype":
-        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+        if beta == 0:
+            acc.copy_(torch.mm(a, b, out_dtype=acc.dtype))
+        else:
+            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
 def _gather(x, segs):
@@ -116,12 +120,12 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
     lse = lse if given_lse else torch.zeros(N, dtype=acc, device=dev)
     ent = torch.zeros(N, dtype=acc, device=dev) if return_entropy else None
     dh = torch.empty_like(h2) if grad and need[0] else None
-    dw = torch.zeros(V, D, dtype=acc, device=dev) if grad and need[1] else None
+    dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=acc, device=dev) if grad and need[1] else None
     db = torch.zeros(V, dtype=acc, device=dev) if grad and bias is not None and need[2] else None
     max_n = max((sum(e - s for s, e in segs) for segs in chunks), default=0)
     buf = new_buffer(max_n * V, cdt, dev)
     wt = weight.t()
-    for segs in chunks:
+    for i, segs in enumerate(chunks):
         h_c, y_c = _gather(h2, segs), _gather(labels, segs)
         n = h_c.shape[0]
         z = buf[:n * V].view(n, V)
@@ -148,7 +152,7 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
             else:
                 _scatter(dh, segs, torch.mm(z, weight))
         if dw is not None:
-            _addmm_f32(dw, z.t(), h_c)
+            _addmm_f32(dw, z.t(), h_c, beta=0 if i == 0 else 1)
         if db is not None:
             db += z.sum(0, dtype=acc)
     return logp, lse, ent, dh, dw, db

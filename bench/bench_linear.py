@@ -1,0 +1,190 @@
+"""``python -m bench linear [--quick]``: fused linear path (hidden + lm_head weight -> loss), forward + backward.
+
+Default shape: N = 8192 tokens (B=8 rows x T=1024), D = 4096, V = 128256, bf16, on CUDA. Every row is timed in the
+same run as the bare lm_head GEMM forward+backward (3 GEMMs: z = hW^T, dh = dz W, dW = dz^T h), and reports
+``ratio`` = time / that floor and the peak memory beyond the inputs. Peers are run when importable: eager (logits
+materialised), a torch.compile'd chunked version (checkpointed per chunk), TRL ``ChunkedLogProbFunction``, Liger
+``LigerFusedLinear{GRPO,DPO,KTO}Loss`` (``use_ref_model=False``: no reference GEMM), quack ``linear_cross_entropy``
+and Apple ``cut_cross_entropy`` (plain cross-entropy; shown for the GEMM-floor comparison). ``--quick`` is a tiny
+CPU smoke run of the same code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from . import common
+
+GiB = float(1 << 30)
+
+
+def _inputs(B, T, D, V, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(B, T, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    w = (torch.randn(V, D, device=device, dtype=dtype, generator=g) * D ** -0.5).requires_grad_()
+    y = torch.randint(0, V, (B, T), device=device, generator=g)
+    y[:, :T // 8] = -100  # prompt tokens
+    import humanline_kernels as hk
+    ref = hk.fused_linear.token_logprobs_nograd(h, w, y) + 0.1 * torch.randn(B, T, device=device, generator=g)
+    adv = torch.randn(B, device=device, generator=g)
+    return h, w, y, ref, adv
+
+
+def _cases(h, w, y, ref, adv, chunk_bytes, quick):
+    """name -> fn() running forward + backward (grads reset first)."""
+    import humanline_kernels as hk
+    B, T, D = h.shape
+    V = w.shape[0]
+    mask = y != -100
+    des = torch.arange(B, device=h.device) % 2 == 0
+    h2, y2 = h.view(-1, D), y.view(-1)
+    cases = {}
+
+    def fb(loss_fn):
+        def run():
+            h.grad = w.grad = None
+            loss_fn().backward()
+        return run
+
+    gz = torch.empty(B * T, V, device=h.device, dtype=h.dtype)  # lm_head floor: 3 GEMMs, bf16 out
+
+    def gemm():
+        hd = h2.detach()
+        torch.mm(hd, w.detach().t(), out=gz)
+        torch.mm(gz, w.detach())
+        torch.mm(gz.t(), hd)
+    cases["lm_head_gemm_fwd_bwd"] = gemm
+    for cb in chunk_bytes:
+        tag = f"@{cb >> 20}MiB" if cb >= 1 << 20 else f"@{cb >> 10}KiB"
+        cases["ours_grpo" + tag] = fb(lambda cb=cb: hk.fused_linear.grpo(h, w, y, ref, adv, chunk_bytes=cb,
+                                                                        validate=False)[0])
+    cb = chunk_bytes[0]
+    cases["ours_dpo"] = fb(lambda: hk.fused_linear.dpo(h, w, y, ref, chunk_bytes=cb, validate=False)[0])
+    cases["ours_kto"] = fb(lambda: hk.fused_linear.kto(h, w, y, ref, des, chunk_bytes=cb, validate=False)[0])
+    cases["ours_token_logprobs(recompute)"] = fb(
+        lambda: hk.fused_linear.token_logprobs(h, w, y, chunk_bytes=cb, validate=False).sum())
+
+    def grpo_from(lp):
+        return hk.losses.grpo(lp.view(B, T), ref, adv, mask)[0]
+
+    def eager():
+        return grpo_from(hk.reference.token_logprobs(h @ w.t(), y, validate=False))
+    cases["eager_grpo"] = fb(eager)
+
+    if not quick:
+        rows = max(1, cb // (V * h.element_size()))
+
+        @torch.compile(dynamic=False)
+        def chunk_lp(hc, wt, yc):
+            z = (hc @ wt.t()).float()
+            return torch.log_softmax(z, -1).gather(-1, yc.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (yc != -100)
+
+        def compiled():
+            from torch.utils.checkpoint import checkpoint
+            lp = torch.cat([checkpoint(chunk_lp, h2[s:s + rows], w, y2[s:s + rows], use_reentrant=False)
+                            for s in range(0, B * T, rows)])
+            return grpo_from(lp)
+        cases["torch_compile_chunked_grpo"] = fb(compiled)
+
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        # forward(hidden [N, H], weight, bias, targets, temperature, chunk_size): TRL 1.16 signature
+        cases["trl_chunked_logprob_grpo"] = fb(lambda: grpo_from(
+            ChunkedLogProbFunction.apply(h2, w, None, y2.clamp(min=0), 1.0, 4096)[0] * mask.view(-1)))
+    except Exception as e:  # noqa: BLE001
+        cases["trl_chunked_logprob_grpo"] = f"unavailable: {type(e).__name__}: {e}"[:120]
+
+    try:
+        from liger_kernel.chunked_loss import (LigerFusedLinearDPOLoss, LigerFusedLinearGRPOLoss,
+                                               LigerFusedLinearKTOLoss)
+        lg = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo")
+        ld = LigerFusedLinearDPOLoss(beta=0.1, use_ref_model=False)
+        lk = LigerFusedLinearKTOLoss(beta=0.1, use_ref_model=False)
+        cases["liger_grpo"] = fb(lambda: lg(h, w, y.clamp(min=0), mask.long(), adv, ref_per_token_logps=ref)[0])
+        cases["liger_dpo"] = fb(lambda: ld(w, h, y)[0])
+        cases["liger_kto"] = fb(lambda: lk(h, w, y, preference_labels=des,
+                                           kl=torch.zeros((), device=h.device))[0])
+    except Exception as e:  # noqa: BLE001
+        cases["liger"] = f"unavailable: {type(e).__name__}: {e}"[:120]
+
+    try:
+        from quack.linear_cross_entropy import linear_cross_entropy as quack_lce
+        cases["quack_linear_cross_entropy(mean)"] = fb(lambda: quack_lce(h2, w, None, y2, ignore_index=-100))
+    except Exception as e:  # noqa: BLE001
+        cases["quack_linear_cross_entropy(mean)"] = f"unavailable: {type(e).__name__}: {e}"[:120]
+
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+        cases["apple_cce_grpo"] = fb(lambda: grpo_from(-cce(h2, w, y2, reduction="none")))
+    except Exception as e:  # noqa: BLE001
+        cases["apple_cce_grpo"] = f"unavailable: {type(e).__name__}: {e}"[:120]
+    return cases
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench linear", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--T", type=int, default=1024)
+    p.add_argument("--D", type=int, default=4096)
+    p.add_argument("--V", type=int, default=128256)
+    p.add_argument("--chunk-mib", type=int, nargs="+", default=[512, 256, 1024],
+                   help="logits-buffer budgets for ours (the first one is used for DPO/KTO/log-probs)")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
+    if a.quick:
+        B, T, D, V, dtype, chunks = 4, 32, 64, 1000, torch.float32, [1 << 18]
+    else:
+        B, T, D, V, dtype, chunks = a.rows, a.T, a.D, a.V, torch.bfloat16, [m << 20 for m in a.chunk_mib]
+    h, w, y, ref, adv = _inputs(B, T, D, V, dtype, device)
+    cases = _cases(h, w, y, ref, adv, chunks, a.quick)
+    rep = 3 if a.quick else 20
+    floor_ms, rows = None, []
+    for name, fn in cases.items():
+        if isinstance(fn, str):
+            rows.append({"impl": name, "ms": None, "ratio_to_gemm": None, "peak_extra_GiB": None, "note": fn})
+            continue
+        try:
+            ms = common.time_ms(fn, warmup=2 if a.quick else 5, rep=rep)
+            peak = common.peak_extra_bytes(fn)
+            note = ""
+        except Exception as e:  # noqa: BLE001 - a peer failing must not stop the table
+            ms, peak, note = None, None, f"failed: {type(e).__name__}: {e}"[:160]
+        if name == "lm_head_gemm_fwd_bwd":
+            floor_ms = ms
+        rows.append({"impl": name, "ms": ms, "ratio_to_gemm": (ms / floor_ms) if ms and floor_ms else None,
+                     "peak_extra_GiB": None if peak is None else peak / GiB, "note": note})
+        h.grad = w.grad = None
+    meta = {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device,
+            "chunk_bytes": chunks, "flops_floor": 6 * B * T * D * V,
+            "dW_bytes(param dtype)": V * D * w.element_size(), "dW_fp32_accumulator_bytes": 4 * V * D,
+            "note": "peak_extra_GiB: peak allocated during fwd+bwd beyond what existed before, including the "
+                    "returned grads (h.grad, w.grad) and, for ours, the transient fp32 dW accumulator"}
+    common.save("linear_quick" if a.quick else "linear", rows, meta, a.out)
+    _plot(rows, os.path.join(a.out, ("linear_quick" if a.quick else "linear") + ".png"), meta)
+    return 0
+
+
+def _plot(rows, path, meta):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    pts = [(r["impl"], r["ratio_to_gemm"]) for r in rows if r.get("ratio_to_gemm")]
+    if not pts:
+        return
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(pts) + 1.2))
+    ax.barh([n for n, _ in pts][::-1], [v for _, v in pts][::-1])
+    ax.axvline(1.10, color="r", ls="--", lw=1, label="target 1.10x")
+    ax.set_xlabel("fwd+bwd time / bare lm_head GEMM fwd+bwd")
+    ax.set_title(f"fused linear, N={meta['N']} D={meta['D']} V={meta['V']} ({common.env_info()['device']})",
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
