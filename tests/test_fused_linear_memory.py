@@ -166,8 +166,10 @@ def test_bad_inputs_loss_specific():
     hk.fused_linear.grpo(h, w, y, r, torch.zeros(2), validate=False)
 
 
-def test_bench_quick_smoke(tmp_path):
+def test_bench_quick_smoke(tmp_path, monkeypatch):
     import json
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # eager CPU paths (ours and TRL's): a smoke run, not the kernels
 
     from bench import bench_linear
     assert bench_linear.main(["--quick", "--out", str(tmp_path)]) == 0
