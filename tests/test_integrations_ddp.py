@@ -1,0 +1,81 @@
+"""HumanlineSyncCallback under accelerate + DDP (gloo, world size 2, CPU, spawned processes)."""
+import importlib.util
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "tiny.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="1")
+    import copy
+
+    from datasets import Dataset
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from humanline_kernels.integrations.transformers import HumanlineSyncCallback
+
+    spec = importlib.util.spec_from_file_location("hk_tiny", TINY)
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    policy = tiny.tiny_model()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    torch.manual_seed(rank)  # different data per rank: DDP must all-reduce the gradients
+    ds = Dataset.from_list([{"input_ids": torch.randint(2, 40, (8,)).tolist()} for _ in range(16)])
+
+    class RefTrainer(Trainer):  # a loss that uses the reference, like DPO/KTO/GRPO trainers do
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            ids = inputs["input_ids"]
+            with torch.no_grad():
+                ref_logits = ref(input_ids=ids).logits
+            logits = model(input_ids=ids).logits
+            return torch.nn.functional.kl_div(logits.log_softmax(-1), ref_logits.log_softmax(-1), log_target=True,
+                                              reduction="batchmean") + model(input_ids=ids, labels=ids).loss
+
+    class Snap(TrainerCallback):
+        def __init__(self):
+            self.policy, self.ref, self.wrapped = [], [], None
+
+        def on_step_begin(self, args, state, control, model=None, **kw):
+            self.policy.append([p.detach().clone() for p in model.parameters()])
+            self.ref.append([p.detach().clone() for p in ref.parameters()])
+
+    snap = Snap()
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=4, learning_rate=5e-2, report_to=[], save_strategy="no", use_cpu=True,
+                             logging_steps=1, disable_tqdm=True, ddp_backend="gloo")
+    cb = HumanlineSyncCallback(every=2, ref_model=ref)
+    trainer = RefTrainer(model=policy, args=args, train_dataset=ds, callbacks=[cb, snap])
+    trainer.train()
+    torch.save({"policy": snap.policy, "ref": snap.ref, "num_syncs": cb.num_syncs,
+                "wrapped": type(trainer.model_wrapped).__name__, "world": trainer.accelerator.num_processes},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_callback_ddp_gloo_world2(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for r in (r0, r1):
+        assert r["wrapped"] == "DistributedDataParallel" and r["world"] == 2
+        assert r["num_syncs"] == 2  # steps 0 and 2 of 4 (every=2), once per step despite accumulation
+        pol, ref = r["policy"], r["ref"]
+        for t in range(1, 4):
+            assert any(not torch.equal(a, b) for a, b in zip(pol[t], pol[t - 1]))
+            s = ((t - 1) // 2) * 2  # the last sync step before t
+            for a, b in zip(ref[t], pol[s]):
+                assert torch.equal(a, b)
+    for a, b in zip(r0["ref"][-1], r1["ref"][-1]):  # ranks stay identical
+        assert torch.equal(a, b)
