@@ -85,6 +85,9 @@ class HumanlineSyncCallback(TrainerCallback):
         else:
             self.syncer.start()
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._waited = False  # in case the backend skipped on_pre_optimizer_step after a blocking sync
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.syncer is None:
             raise RuntimeError("HumanlineSyncCallback.on_pre_optimizer_step before on_train_begin")
