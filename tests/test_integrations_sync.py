@@ -117,3 +117,28 @@ def test_refusals(tiny_path):
         HumanlineDPOConfig(**kw, fused="chunked")
     with pytest.raises(ValueError, match="sync_every"):
         HumanlineGRPOConfig(**kw, **T.GRPO_KW, sync_every=0)
+
+
+def test_callback_standalone():
+    from types import SimpleNamespace as NS
+
+    from humanline_kernels.integrations.transformers import HumanlineSyncCallback
+
+    pol, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="every"):
+        HumanlineSyncCallback(every=0)
+    cb = HumanlineSyncCallback(every=2)
+    with pytest.raises(ValueError, match="reference"):
+        cb.on_train_begin(NS(), NS(global_step=0), None, model=pol)
+    with pytest.raises(ValueError, match="DeepSpeed"):
+        cb.on_train_begin(NS(deepspeed_plugin=object()), NS(global_step=0), None, model=pol, ref_model=ref)
+    # reference through the event keyword (TRL's CallbackHandlerWithRefModel pattern); resume at global step 3
+    cb.on_train_begin(NS(), NS(global_step=3), None, model=pol, ref_model=ref)
+    before = ref.weight.detach().clone()
+    cb.on_step_begin(None, None, None)
+    cb.on_pre_optimizer_step(None, None, None)  # step 3: 3 % 2 != 0, no sync
+    assert torch.equal(ref.weight, before) and not torch.equal(ref.weight, pol.weight)
+    cb.on_step_begin(None, None, None)
+    cb.reference_done()  # step 4 syncs; the copy starts here and completes in on_pre_optimizer_step
+    cb.on_pre_optimizer_step(None, None, None)
+    assert torch.equal(ref.weight, pol.weight) and torch.equal(ref.bias, pol.bias) and cb.num_syncs == 1
