@@ -52,6 +52,22 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------------- checks
+def _autocast(hidden, weight, bias):
+    """Under ``torch.autocast`` run the lm_head in the autocast dtype, as ``nn.Linear`` would (autograd casts back)."""
+    if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)):
+        return hidden, weight, bias
+    dev = hidden.device.type
+    try:
+        on = torch.is_autocast_enabled(dev)
+    except TypeError:  # pragma: no cover - torch without the device_type argument
+        on = dev == "cuda" and torch.is_autocast_enabled()
+    if not on or not hidden.is_floating_point():
+        return hidden, weight, bias
+    dt = torch.get_autocast_dtype(dev)
+    with torch.autocast(dev, enabled=False):
+        return hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
+
+
 def _check(hidden, weight, bias, labels, *, temperature, ignore_index, chunk_bytes, validate):
     V.check_tensor("hidden", hidden, dtypes=_DTYPES)
     if hidden.dim() < 2:
@@ -90,11 +106,11 @@ def _need(hidden, weight, bias):
     return (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
 
 
-def _scaled(acc, go, like):
-    """``acc * grad_output`` cast to ``like``'s dtype in one pass (no fp32 temporary)."""
+def _scaled(acc, go, dtype):
+    """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary)."""
     if acc is None:
         return None
-    out = torch.empty(acc.shape, dtype=like.dtype, device=acc.device)
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     return torch.mul(acc, go, out=out)
 
 
@@ -139,6 +155,7 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     ``torch.no_grad()`` (or when nothing requires grad) nothing is saved. ``chunk_bytes`` bounds the logits
     buffer; ``validate=False`` skips the label range check (the only host sync).
     """
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     _check(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore_index,
            chunk_bytes=chunk_bytes, validate=validate)
     rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
@@ -167,15 +184,15 @@ class _LinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, job):
         loss, grads = _execute(hidden, weight, bias, job)
-        ctx.grads = grads
-        ctx.like = (hidden, weight, bias)
+        ctx.grads = grads  # formed here; the inputs themselves are not kept
+        ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, go):
-        (dh, dw, db), (hidden, weight, bias) = ctx.grads, ctx.like
-        dh = None if dh is None else (dh * go.to(dh.dtype)).view(hidden.shape)
-        return dh, _scaled(dw, go, weight), _scaled(db, go, bias), None
+        (dh, dw, db), (h_shape, w_dtype, b_dtype) = ctx.grads, ctx.meta
+        dh = None if dh is None else (dh * go.to(dh.dtype)).view(h_shape)
+        return dh, _scaled(dw, go, w_dtype), _scaled(db, go, b_dtype), None
 
 
 def _execute(hidden, weight, bias, job):
@@ -217,6 +234,7 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
          temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
     """Humanline GRPO from ``hidden [B, T, D]`` and ``weight [V, D]``; keywords and result of
     :func:`humanline_kernels.losses.grpo` plus ``bias`` and ``chunk_bytes``. Chunks are token ranges."""
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_loss(hidden, weight, bias, labels, ref_logps, temperature=temperature, ignore_index=ignore_index,
                 chunk_bytes=chunk_bytes, validate=validate)
     B, T = labels.shape
@@ -260,6 +278,7 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
         temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
     """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first); keywords and result of
     :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes``. Chunks hold whole pairs."""
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_loss(hidden, weight, bias, labels, ref_logps, temperature=temperature, ignore_index=ignore_index,
                 chunk_bytes=chunk_bytes, validate=validate)
     B, T = labels.shape
@@ -291,6 +310,7 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
         ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
     """Humanline KTO from ``hidden [B, T, D]``; the KL rows come as log-probs (``kl_logps``, ``kl_ref_logps``,
     ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows."""
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_loss(hidden, weight, bias, labels, ref_logps, temperature=temperature, ignore_index=ignore_index,
                 chunk_bytes=chunk_bytes, validate=validate)
     B, T = labels.shape

@@ -83,17 +83,19 @@ def _run(name, kw, h, w, b, y, ref, g, *, chunk_bytes, clip):
     B, T = y.shape
     kw = dict(kw, clip=clip)
     mask = y != -100
+    dev = y.device
     if kw.get("kl_ref_logps") == "kl":
-        kw["kl_ref_logps"] = ref + 0.1 * torch.randn(B, T, generator=g)
+        kw["kl_ref_logps"] = ref + 0.1 * torch.randn(B, T, generator=g).to(dev)
     if name == "grpo":
-        adv = torch.randn(B, generator=g)
+        adv = torch.randn(B, generator=g).to(dev)
         args, rargs = (ref, adv), (ref, adv, mask)
     elif name == "dpo":
         args, rargs = (ref,), (ref, mask)
     else:
-        des = torch.arange(B) % 3 != 1
+        des = (torch.arange(B) % 3 != 1).to(dev)
         kl_lp = torch.randn(3, T, generator=g) - 2
-        kl = (kl_lp, kl_lp + 0.5 * torch.randn(3, T, generator=g), torch.rand(3, T, generator=g) > 0.3)
+        kl = tuple(t.to(dev) for t in (kl_lp, kl_lp + 0.5 * torch.randn(3, T, generator=g),
+                                       torch.rand(3, T, generator=g) > 0.3))
         args, rargs = (ref, des, *kl), (ref, mask, des, *kl)
     ours = getattr(hk.fused_linear, name)(h, w, y, *args, bias=b, chunk_bytes=chunk_bytes, **kw)
     lp = R.token_logprobs(_logits(h, w, b), y)
@@ -178,3 +180,26 @@ def test_token_logprobs_nograd_saves_nothing():
         lp2 = hk.fused_linear.token_logprobs(h, w, y, bias=b)
     assert lp2.grad_fn is None
     torch.testing.assert_close(lp, R.token_logprobs(_logits(h, w, b), y).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_autocast_runs_the_gemm_in_the_autocast_dtype():
+    h, w, b, y, ref, g = _case()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = hk.fused_linear.dpo(h, w, y, ref, bias=b)
+        lp = hk.fused_linear.token_logprobs(h, w, y, bias=b)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    assert gh.dtype == gw.dtype == torch.float32  # autograd casts back to the parameters' dtype
+    hb, wb, bb = (t.detach().bfloat16().requires_grad_() for t in (h, w, b))
+    rl, _ = R.dpo(R.token_logprobs(_logits(hb, wb, bb), y), ref, y != -100)
+    torch.testing.assert_close(loss, rl, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lp, R.token_logprobs(_logits(hb, wb, bb), y).detach(), atol=2e-3, rtol=2e-3)
+    assert _rel(gw, torch.autograd.grad(rl, wb)[0].float()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kw", [LOSSES[0], LOSSES[1], LOSSES[4], LOSSES[5]], ids=["dapo", "grpo", "dpo", "kto"])
+def test_cuda_bf16_matches_reference(name, kw):
+    h, w, b, y, ref, g = _case(B=6, T=33, D=64, V=1000, dtype=torch.bfloat16, seed=3)
+    h, w, b = (t.detach().cuda().requires_grad_() for t in (h, w, b))
+    ours, refs = _run(name, kw, h, w, b, y.cuda(), ref.cuda(), g, chunk_bytes=50 * 1000 * 2, clip=CLIP)
+    _compare(ours, refs, (h, w, b), torch.bfloat16)

@@ -176,3 +176,16 @@ def test_bench_quick_smoke(tmp_path, monkeypatch):
     rows = {r["impl"]: r for r in json.loads((tmp_path / "linear_quick.json").read_text())["rows"]}
     assert rows["lm_head_gemm_fwd_bwd"]["ratio_to_gemm"] == 1.0
     assert all(rows[k]["ms"] for k in ("ours_dpo", "ours_kto", "eager_grpo"))
+
+
+@pytest.mark.parametrize("mode", ["upcast", "low_mm_add"])
+def test_dw_accumulation_modes(monkeypatch, mode):
+    # "low_mm_add" is the CUDA fallback when torch has no out_dtype GEMM: check it on CPU with bf16 inputs
+    monkeypatch.setitem(LC._F32_ADDMM, ("cpu", torch.bfloat16), mode)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(40, 6, generator=g).bfloat16(), torch.randn(6, 5, generator=g).bfloat16()
+    acc = torch.full((40, 5), float("nan"))
+    LC._addmm_f32(acc, a, b, beta=0)  # first chunk: ignores the (uninitialised) accumulator
+    LC._addmm_f32(acc, a, b, beta=1)
+    want = 2 * (a.float() @ b.float())
+    torch.testing.assert_close(acc, want, atol=0.05 if mode == "low_mm_add" else 1e-5, rtol=1e-2)

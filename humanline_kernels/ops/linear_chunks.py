@@ -62,11 +62,12 @@ def _addmm_f32(acc, a, b, beta):
     key = (acc.device.type, a.dtype)
     mode = _F32_ADDMM.get(key)
     if mode is None:
-        mode = "upcast"
+        mode = "upcast"  # CPU: exact, and only small shapes run there
         if acc.is_cuda:
-            try:  # probe once on a tiny problem
-                t = torch.zeros(2, 2, dtype=acc.dtype, device=acc.device)
-                x = torch.zeros(2, 2, dtype=a.dtype, device=acc.device)
+            mode = "low_mm_add"  # last resort on CUDA: per-chunk product rounded once, summed in fp32
+            t = torch.zeros(2, 2, dtype=acc.dtype, device=acc.device)
+            x = torch.zeros(2, 2, dtype=a.dtype, device=acc.device)
+            try:  # probe once on a tiny problem (torch >= 2.8 has out_dtype on CUDA)
                 torch.addmm(t, x, x, beta=0, out_dtype=acc.dtype, out=t)
                 mode = "addmm_out_dtype"
             except Exception:
@@ -78,11 +79,12 @@ def _addmm_f32(acc, a, b, beta):
         _F32_ADDMM[key] = mode
     if mode == "addmm_out_dtype":
         torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-    elif mode == "mm_out_dtype":
+    elif mode in ("mm_out_dtype", "low_mm_add"):
+        prod = torch.mm(a, b, out_dtype=acc.dtype) if mode == "mm_out_dtype" else torch.mm(a, b)
         if beta == 0:
-            acc.copy_(torch.mm(a, b, out_dtype=acc.dtype))
+            acc.copy_(prod)
         else:
-            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+            acc.add_(prod)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
