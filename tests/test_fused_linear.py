@@ -203,3 +203,18 @@ def test_cuda_bf16_matches_reference(name, kw):
     h, w, b = (t.detach().cuda().requires_grad_() for t in (h, w, b))
     ours, refs = _run(name, kw, h, w, b, y.cuda(), ref.cuda(), g, chunk_bytes=50 * 1000 * 2, clip=CLIP)
     _compare(ours, refs, (h, w, b), torch.bfloat16)
+
+
+def test_fully_masked_batch_and_nan_inputs():
+    h, w, b, y, ref, g = _case()
+    y = torch.full_like(y, -100)  # TRL#7077: a fully masked micro-batch must not crash or give NaN
+    for name, args in (("grpo", (ref, torch.randn(4, generator=g))), ("dpo", (ref,)),
+                       ("kto", (ref, torch.arange(4) % 2 == 0))):
+        loss, m = getattr(hk.fused_linear, name)(h, w, y, *args, bias=b, chunk_bytes=64)
+        grads = torch.autograd.grad(loss, (h, w, b))
+        assert torch.isfinite(loss) and all(bool((t == 0).all()) for t in grads), name
+        assert all(bool(torch.isfinite(v)) for v in m.values()), name
+    h2, w2, b2, y2, ref2, _ = _case()
+    with torch.no_grad():
+        h2[0, 0, 0] = float("nan")
+    assert torch.isnan(hk.fused_linear.dpo(h2, w2, y2, ref2)[0])
