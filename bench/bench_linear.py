@@ -180,6 +180,7 @@ def _plot(rows, path, meta):
         return
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(pts) + 1.2))
     ax.barh([n for n, _ in pts][::-1], [v for _, v in pts][::-1])
+    ax.set_xscale("log")
     ax.axvline(1.10, color="r", ls="--", lw=1, label="target 1.10x")
     ax.set_xlabel("fwd+bwd time / bare lm_head GEMM fwd+bwd")
     ax.set_title(f"fused linear, N={meta['N']} D={meta['D']} V={meta['V']} ({common.env_info()['device']})",
