@@ -71,6 +71,9 @@ def test_dpo_reference_lags_policy(tiny_path, fused, every, accum):
     assert _logged(tr, "humanline/num_syncs")[-1] == tr.hk_sync.num_syncs
     for key in ("rewards/chosen", "rewards/margins", "logps/chosen", "entropy", "num_tokens"):
         assert len(_logged(tr, key)) == steps, key
+    syncs = tr.hk_sync.num_syncs
+    ev = tr.evaluate(T.pref_data().select(range(4)))  # eval neither syncs nor breaks on the fused head
+    assert "eval_humanline/unclipped_frac" in ev and "eval_entropy" in ev and tr.hk_sync.num_syncs == syncs
 
 
 def test_kto_reference_lags_policy(tiny_path):
@@ -96,6 +99,9 @@ def test_grpo_reference_lags_policy(tiny_path, beta, accum):
     for key in ("humanline/unclipped_frac", "clip_ratio/region_mean", "entropy"):
         assert len(_logged(tr, key)) == 3, key
     assert (len(_logged(tr, "kl")) == 3) == (beta != 0)
+    if accum == 1:
+        ev = tr.evaluate(T.grpo_data().select(range(4)))
+        assert "eval_humanline/unclipped_frac" in ev and tr.hk_sync.num_syncs == 3
 
 
 def test_refusals(tiny_path):

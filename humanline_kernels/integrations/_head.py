@@ -8,7 +8,7 @@ lm_head weight go through :func:`humanline_kernels.fused_linear.token_logprobs` 
 FSDP's and ZeRO-3's forward hooks have gathered the lm_head weight (FSDP2 DTensors are gathered with
 ``full_tensor()``, ZeRO-3 with TRL's ``maybe_gather_lm_head_ctx``, as TRL's own head does). ``fused="off"``
 leaves TRL's head. The result is TRL's ``FusedCausalLMOutput`` with ``log_probs`` (``[B, L-1]``, 0 where the
-label is -100) and, when gradients are on, a detached ``entropy``; the other per-token fields are None.
+label is -100) and, for the policy, a detached ``entropy``; the other per-token fields are None.
 """
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ def check_head_supported(model, fused: str) -> None:
                 "use fused='off' (TRL's log-prob head) for this model")
 
 
-def install_head(model, fused: str, temperature: float = 1.0) -> None:
-    """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) to use our fused paths."""
+def install_head(model, fused: str, temperature: float = 1.0, entropy: bool = True) -> None:
+    """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) to use our fused paths.
+
+    ``entropy``: also return the (detached) per-token entropy, as TRL's head does for the policy (True) and not
+    for the reference (False)."""
     if fused not in FUSED_MODES:
         raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
     if fused == "off":
@@ -46,12 +49,12 @@ def install_head(model, fused: str, temperature: float = 1.0) -> None:
     def _humanline_forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
         if not fused_lm_head:
             return trl_forward(*args, labels=labels, **kwargs)
-        return _fused_logprobs(self, trl_forward, fused, temperature, args, labels, kwargs)
+        return _fused_logprobs(self, trl_forward, fused, temperature, entropy, args, labels, kwargs)
 
     model.forward = types.MethodType(_humanline_forward, model)
 
 
-def _fused_logprobs(self, trl_forward, fused, temperature, args, labels, kwargs):
+def _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, labels, kwargs):
     from trl.trainer.utils import FusedCausalLMOutput
 
     import humanline_kernels as hk
@@ -60,7 +63,6 @@ def _fused_logprobs(self, trl_forward, fused, temperature, args, labels, kwargs)
         raise ValueError("pre-shifted labels (context/sequence parallelism) are not supported by the humanline head")
     kwargs.pop("num_items_in_batch", None)
     kwargs["use_cache"] = False
-    want_entropy = torch.is_grad_enabled()  # only the policy's forward logs entropy; reference passes skip it
     if fused == "logits":
         logits = trl_forward(*args, **kwargs).logits[:, :-1]
         targets = labels[:, 1:].to(logits.device)

@@ -142,7 +142,7 @@ class _HumanlineMixin:
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         install_head(policy, self.hk_fused, temperature)
         if self.ref_model is not None:
-            install_head(_hf_module(self.ref_model), self.hk_fused, temperature)
+            install_head(_hf_module(self.ref_model), self.hk_fused, temperature, entropy=False)
         self.hk_sync = None
         if self.hk_humanline:
             self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, ref_model=self.ref_model)
