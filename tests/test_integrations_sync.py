@@ -148,3 +148,16 @@ def test_callback_standalone():
     cb.reference_done()  # step 4 syncs; the copy starts here and completes in on_pre_optimizer_step
     cb.on_pre_optimizer_step(None, None, None)
     assert torch.equal(ref.weight, pol.weight) and torch.equal(ref.bias, pol.bias) and cb.num_syncs == 1
+
+
+@pytest.mark.gpu
+def test_dpo_reference_lags_policy_cuda_overlap(tiny_path):
+    """On CUDA the copy runs on a side stream during the policy's forward/backward; the lag must still hold."""
+    args = HumanlineDPOConfig(**dict(T.COMMON, use_cpu=False), output_dir=tiny_path + "/o",
+                              per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                              learning_rate=5e-2, fused="linear", sync_every=1)
+    tr = HumanlineDPOTrainer(tiny_path, args=args, train_dataset=T.pref_data(), processing_class=T.tiny.tiny_tokenizer())
+    snap = _train(tr)
+    assert snap.policy[0][0].is_cuda
+    _check_lag(snap, 1)
+    assert tr.hk_sync.num_syncs == 4
