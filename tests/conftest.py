@@ -7,6 +7,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+try:  # import triton now, in interpreter mode: a first import under a test's TRITON_INTERPRET=0 would stick
+    import triton  # noqa: E402,F401
+except ImportError:  # pragma: no cover
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
