@@ -62,7 +62,8 @@ def test_dpo_reference_lags_policy(tiny_path, fused, every, accum):
     args = HumanlineDPOConfig(**T.COMMON, output_dir=tiny_path + "/o", per_device_train_batch_size=2,
                               gradient_accumulation_steps=accum, max_steps=steps, learning_rate=5e-2,
                               fused=fused, sync_every=every, log_eps_p=-0.02, log_eps_r=0.02)
-    tr = HumanlineDPOTrainer(tiny_path, args=args, train_dataset=T.pref_data(), processing_class=T.tiny.tiny_tokenizer())
+    tok = T.tiny.tiny_tokenizer()
+    tr = HumanlineDPOTrainer(tiny_path, args=args, train_dataset=T.pref_data(), processing_class=tok)
     snap = _train(tr)
     _check_lag(snap, every)
     assert tr.hk_sync.num_syncs == len(range(0, steps, every))  # once per optimizer step, not per micro-batch
@@ -156,7 +157,8 @@ def test_dpo_reference_lags_policy_cuda_overlap(tiny_path):
     args = HumanlineDPOConfig(**dict(T.COMMON, use_cpu=False), output_dir=tiny_path + "/o",
                               per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
                               learning_rate=5e-2, fused="linear", sync_every=1)
-    tr = HumanlineDPOTrainer(tiny_path, args=args, train_dataset=T.pref_data(), processing_class=T.tiny.tiny_tokenizer())
+    tok = T.tiny.tiny_tokenizer()
+    tr = HumanlineDPOTrainer(tiny_path, args=args, train_dataset=T.pref_data(), processing_class=tok)
     snap = _train(tr)
     assert snap.policy[0][0].is_cuda
     _check_lag(snap, 1)

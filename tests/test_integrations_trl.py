@@ -1,16 +1,13 @@
 """Humanline TRL trainers on a tiny random-init Llama (CPU): parity with TRL's stock trainers when humanline is
 off, and, when on, the reference equals the policy from before the previous update at every step."""
-import copy
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer  # noqa: E402
 
 from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer,  # noqa: E402

@@ -15,8 +15,6 @@ from __future__ import annotations
 import functools
 import types
 
-import torch
-
 FUSED_MODES = ("linear", "logits", "off")
 
 

@@ -253,7 +253,8 @@ class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
             rewards = self.beta * clipped.sum(1)
             rc, rr = rewards.chunk(2)
             lc, lr = logps.detach().sum(1).chunk(2)
-            g = self.accelerator.gather(torch.stack([rc, rr, (rc > rr).float(), rc - rr, lc, lr])).view(-1, 6, rc.numel())
+            g = self.accelerator.gather(torch.stack([rc, rr, (rc > rr).float(), rc - rr, lc, lr]))
+            g = g.view(-1, 6, rc.numel())
             vals = g.transpose(0, 1).reshape(6, -1).mean(1).tolist()
         m = self._metrics[mode]
         for key, v in zip(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -292,7 +293,7 @@ class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
 
     def _hk_kl_inputs(self, batch):
         kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL | {"input_ids", "attention_mask"}}
-        kw["input_ids"], kw["attention_mask"], kw["use_cache"] = batch["KL_input_ids"], batch["KL_attention_mask"], False
+        kw.update(input_ids=batch["KL_input_ids"], attention_mask=batch["KL_attention_mask"], use_cache=False)
         for k in ("token_type_ids", "mm_token_type_ids"):
             if "KL_" + k in batch:
                 kw[k] = batch["KL_" + k]
