@@ -79,3 +79,51 @@ def test_callback_ddp_gloo_world2(tmp_path):
                 assert torch.equal(a, b)
     for a, b in zip(r0["ref"][-1], r1["ref"][-1]):  # ranks stay identical
         assert torch.equal(a, b)
+
+
+def _trainer_worker(rank, world, port, out_dir):
+    """HumanlineKTOTrainer (KL baseline all-reduced inside the loss) and HumanlineDPOTrainer under DDP."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="1")
+    spec = importlib.util.spec_from_file_location(
+        "hk_trl_tests", os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_integrations_trl.py"))
+    T = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(T)
+    from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer, HumanlineKTOConfig,
+                                                    HumanlineKTOTrainer)
+    path = os.path.join(out_dir, "tiny")
+    kw = dict(T.COMMON, output_dir=out_dir, max_steps=2, learning_rate=5e-2, ddp_backend="gloo")
+    res = {}
+    for name, trainer in (
+            ("kto", lambda: HumanlineKTOTrainer(path, args=HumanlineKTOConfig(**kw, per_device_train_batch_size=2,
+                                                                              fused="logits"),
+                                                train_dataset=T.kto_data(), processing_class=T.tiny.tiny_tokenizer())),
+            ("dpo", lambda: HumanlineDPOTrainer(path, args=HumanlineDPOConfig(**kw, per_device_train_batch_size=2,
+                                                                              gradient_accumulation_steps=2),
+                                                train_dataset=T.pref_data(), processing_class=T.tiny.tiny_tokenizer()))):
+        tr = trainer()
+        before = [p.detach().clone() for p in tr.model.parameters()]
+        tr.train()
+        res[name] = {"ref": [p.detach().clone() for p in tr.ref_model.parameters()], "syncs": tr.hk_sync.num_syncs,
+                     "before": before, "policy": [p.detach().clone() for p in tr.model.parameters()],
+                     "wrapped": type(tr.model_wrapped).__name__,
+                     "kl": [h["kl"] for h in tr.state.log_history if "kl" in h]}
+    torch.save(res, os.path.join(out_dir, f"trainers{rank}.pt"))
+
+
+def test_trainers_ddp_gloo_world2(tmp_path):
+    spec = importlib.util.spec_from_file_location("hk_tiny", TINY)
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    tiny.tiny_model().save_pretrained(str(tmp_path / "tiny"))
+    tiny.tiny_tokenizer().save_pretrained(str(tmp_path / "tiny"))
+    mp.spawn(_trainer_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"trainers{r}.pt") for r in range(2))
+    for name in ("kto", "dpo"):
+        a, b = r0[name], r1[name]
+        assert a["wrapped"] == "DistributedDataParallel" and a["syncs"] == b["syncs"] == 2
+        for x, y, z in zip(a["ref"], b["ref"], a["policy"]):
+            assert torch.equal(x, y)  # the reference stays identical across ranks
+            assert not torch.equal(x, z)  # it lags the policy by one update
+        assert any(not torch.equal(x, y) for x, y in zip(a["ref"], a["before"]))  # it was synced (step 1)
+    assert r0["kto"]["kl"] == r1["kto"]["kl"] and len(r0["kto"]["kl"]) == 2  # z0 is all-reduced
