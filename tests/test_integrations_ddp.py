@@ -94,13 +94,13 @@ def _trainer_worker(rank, world, port, out_dir):
     path = os.path.join(out_dir, "tiny")
     kw = dict(T.COMMON, output_dir=out_dir, max_steps=2, learning_rate=5e-2, ddp_backend="gloo")
     res = {}
+    tok = T.tiny.tiny_tokenizer()
+    kto_args = HumanlineKTOConfig(**kw, per_device_train_batch_size=2, fused="logits")
+    dpo_args = HumanlineDPOConfig(**kw, per_device_train_batch_size=2, gradient_accumulation_steps=2)
     for name, trainer in (
-            ("kto", lambda: HumanlineKTOTrainer(path, args=HumanlineKTOConfig(**kw, per_device_train_batch_size=2,
-                                                                              fused="logits"),
-                                                train_dataset=T.kto_data(), processing_class=T.tiny.tiny_tokenizer())),
-            ("dpo", lambda: HumanlineDPOTrainer(path, args=HumanlineDPOConfig(**kw, per_device_train_batch_size=2,
-                                                                              gradient_accumulation_steps=2),
-                                                train_dataset=T.pref_data(), processing_class=T.tiny.tiny_tokenizer()))):
+            ("kto", lambda: HumanlineKTOTrainer(path, args=kto_args, train_dataset=T.kto_data(), processing_class=tok)),
+            ("dpo", lambda: HumanlineDPOTrainer(path, args=dpo_args, train_dataset=T.pref_data(),
+                                                processing_class=tok))):
         tr = trainer()
         before = [p.detach().clone() for p in tr.model.parameters()]
         tr.train()
