@@ -8,7 +8,8 @@
 * FSDP1: each unit's ``flat_param._local_shard``; both models must use the same auto-wrap policy,
   ``use_orig_params`` and strategy. Unsharded params that FSDP1 retains after a no-grad forward (root unit,
   SHARD_GRAD_OP) are freed first, or the next reference forward would reuse them.
-* ZeRO-3: each parameter's local partition ``ds_tensor``, plus the full data of persistent small params.
+* ZeRO-3: each parameter's local partition ``ds_tensor``, plus the full data of gathered params (persistent
+  small params) when the policy holds it too; otherwise the reference's gathered copy is released.
 Buffers are copied in full in every backend. Pairs are checked once (names, shapes, placements, dtypes) and
 re-resolved at every sync, so a replaced ``_local_tensor``/``.data`` (``.to()``, ``load_state_dict``) is seen.
 """
@@ -257,11 +258,17 @@ def _collect_fsdp1(pairs, ref, pol):
     pairs.prepare = prepare
 
 
+def _zero3_full(p) -> bool:
+    """A ZeRO-3 param currently holds its gathered full data (persistent, or not yet released)."""
+    return p.data.numel() == p.ds_numel and p.ds_numel > 0
+
+
 def _collect_zero3(pairs, ref, pol):
     rp = list(ref.named_parameters())
     pp = list(pol.named_parameters())
     if [n for n, _ in rp] != [n for n, _ in pp]:
         raise _mismatch("parameter names differ")
+    gathered = []
     for (name, r), (_, p) in zip(rp, pp):
         if not (hasattr(r, "ds_tensor") and hasattr(p, "ds_tensor")):
             raise _mismatch(f"{name!r} is ZeRO-3 partitioned in only one model")
@@ -270,13 +277,24 @@ def _collect_zero3(pairs, ref, pol):
                             "in the policy")
         _check_pair(name, r.ds_tensor, p.ds_tensor)
         pairs.add(name, lambda r=r: r.ds_tensor, lambda p=p: p.ds_tensor)
-        if getattr(r, "ds_persist", False):
-            # persistent small params stay gathered in the reference (no optimizer re-gathers them): copy both
-            if not getattr(p, "ds_persist", False):
-                raise _mismatch(f"{name!r} is persistent in the reference but not in the policy "
-                                "(use the same stage3_param_persistence_threshold)")
-            pairs.add(name + "(persistent)", lambda r=r: r.data, lambda p=p: p.data)
+        # A gathered reference param (persistent small params after the first traced forward) is never
+        # re-gathered from ds_tensor, so its full data must be copied too. Copied only while both models hold
+        # it; otherwise prepare() releases the reference's copy and the next forward gathers the synced
+        # partitions. So differing stage3_param_persistence_threshold or a not-yet-gathered policy still work.
+        empty = r.ds_tensor.new_empty(0)
+        both = lambda r=r, p=p: _zero3_full(r) and _zero3_full(p)  # noqa: E731
+        pairs.add(name + "(gathered)", lambda r=r, b=both, e=empty: r.data if b() else e,
+                  lambda p=p, b=both, e=empty: p.data if b() else e)
+        gathered.append((r, p))
     _add_named(pairs, ref, pol, "b")
+
+    def prepare():
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        stale = [r for r, p in gathered if _zero3_full(r) and r.ds_status == ZeroParamStatus.AVAILABLE
+                 and not _zero3_full(p)]
+        if stale:
+            stale[0].partition(param_list=stale, has_been_updated=False)  # frees .data, keeps ds_tensor
+    pairs.prepare = prepare
 
 
 _COLLECT = {"plain": _collect_plain, "ddp": _collect_plain, "zero": _collect_plain, "fsdp2": _collect_fsdp2,
