@@ -45,12 +45,12 @@ def _init_ds():
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-def config(stage, persist=8):
+def config(stage, persist=8, bf16=False):
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = persist
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-            "zero_optimization": zero}
+            "zero_optimization": zero, "bf16": {"enabled": bf16}}
 
 
 def policy_engine(model, stage, **kw):
@@ -94,16 +94,16 @@ def same(a, b):
     return ok and all(torch.equal(a[k], b[k]) for k in a if k.endswith("(gathered)") and k in b)
 
 
-def scenario(pol, ref, every=1, steps=4, warm=False, tag=""):
+def scenario(pol, ref, every=1, steps=4, warm=False, dtype=torch.float32, tag=""):
     if warm:  # ZeRO-3: keeps persistent params gathered only from the second (traced) forward on, so the
         for _ in range(2):  # reference holds them at the first sync while the policy does not yet
             with torch.no_grad():
-                ref(torch.zeros(4, 5))
+                ref(torch.zeros(4, 5, dtype=dtype))
     syncer = hk.ReferenceSyncer(pol, ref, every=every)
     g = torch.Generator().manual_seed(10 + dist.get_rank())
     last_ref = None
     for t in range(steps):
-        x = torch.randn(4, 5, generator=g)
+        x = torch.randn(4, 5, generator=g).to(dtype)  # a bf16 engine casts the module, not the inputs
         with torch.no_grad():
             ref(x)  # ZeRO-3: gathers the reference; persistent params stay gathered
         is_sync = syncer.start()
@@ -138,6 +138,9 @@ def zero12_worker(rank, world):
         scenario(policy_engine(Net(0), stage), reference_engine(Net(1), stage), tag=f"zero{stage}")
     # every=3, TRL's layout for ZeRO-1/2: a stage-0 reference engine
     scenario(policy_engine(Net(0), 2), reference_engine(Net(1), 0), every=3, steps=7, tag="zero2/stage-0 ref")
+    # bf16: the module holds bf16 weights (copied), the optimizer fp32 master partitions (not copied)
+    scenario(policy_engine(Net(0), 2, bf16=True), reference_engine(Net(1), 2, bf16=True), dtype=torch.bfloat16,
+             tag="zero2 bf16")
     expect_mismatch(policy_engine(Net(0), 2), reference_engine(Net(1, out=4), 2))
 
 
@@ -154,6 +157,11 @@ def zero3_worker(rank, world):
     scenario(policy_engine(Net(0), 3, persist=0), reference_engine(Net(1), 3), warm=True,
              tag="zero3 persistent reference only")
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3, persist=0), tag="zero3 persistent policy only")
+    scenario(policy_engine(Net(0), 3, bf16=True), reference_engine(Net(1), 3, bf16=True), dtype=torch.bfloat16,
+             warm=True, tag="zero3 bf16")
+    with deepspeed.zero.Init(config_dict_or_path=config(3)):  # partitioned at construction, as for big models
+        pol, ref = Net(0), Net(1)
+    scenario(policy_engine(pol, 3), reference_engine(ref, 3), tag="zero3 zero.Init")
     expect_mismatch(policy_engine(Net(0), 3), reference_engine(Net(1, out=4), 3))
     expect_mismatch(policy_engine(Net(0), 3), Net(1))
 
