@@ -163,6 +163,15 @@ def zero3_worker(rank, world):
         pol, ref = Net(0), Net(1)
     scenario(policy_engine(pol, 3), reference_engine(ref, 3), tag="zero3 zero.Init")
     expect_mismatch(policy_engine(Net(0), 3), reference_engine(Net(1, out=4), 3))
+    # ZeRO++ hpZ: once the reference holds secondary partitions its forward gathers those (needs an optimizer:
+    # DeepSpeed's engine cannot set up hpZ without one)
+    ref = Net(1)
+    cfg = config(3)
+    cfg["zero_optimization"]["zero_hpz_partition_size"] = 2
+    ref = deepspeed.initialize(model=ref, optimizer=torch.optim.AdamW(ref.parameters(), lr=0.0), config=cfg)[0]
+    with torch.no_grad():
+        ref(torch.zeros(4, 5))
+    expect_mismatch(policy_engine(Net(0), 3), ref, match="hpZ")
     expect_mismatch(policy_engine(Net(0), 3), Net(1))
 
 

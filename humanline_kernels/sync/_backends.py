@@ -290,6 +290,10 @@ def _collect_zero3(pairs, ref, pol):
 
     def prepare():
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        if any(getattr(r, "ds_secondary_tensor", None) is not None for r, _ in gathered):
+            # ZeRO++ hpZ gathers from the secondary partition once it exists, which this copy does not update
+            raise ValueError("ReferenceSyncer: ZeRO++ hpZ (zero_hpz_partition_size > 1) is not supported "
+                             "for the reference: its forward gathers a secondary partition this copy does not update")
         stale = [r for r, p in gathered if _zero3_full(r) and r.ds_status == ZeroParamStatus.AVAILABLE
                  and not _zero3_full(p)]
         if stale:
