@@ -159,7 +159,8 @@ def zero3_worker(rank, world):
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3, persist=0), tag="zero3 persistent policy only")
     scenario(policy_engine(Net(0), 3, bf16=True), reference_engine(Net(1), 3, bf16=True), dtype=torch.bfloat16,
              warm=True, tag="zero3 bf16")
-    with deepspeed.zero.Init(config_dict_or_path=config(3)):  # partitioned at construction, as for big models
+    # partitioned at construction, as for big models (Net's normal_() then sees empty params: default init)
+    with deepspeed.zero.Init(config_dict_or_path=config(3)):
         pol, ref = Net(0), Net(1)
     scenario(policy_engine(pol, 3), reference_engine(ref, 3), tag="zero3 zero.Init")
     expect_mismatch(policy_engine(Net(0), 3), reference_engine(Net(1, out=4), 3))
