@@ -2,7 +2,8 @@
 
 ``tiny_tokenizer()`` is a character-level ``PreTrainedTokenizerFast`` (64 symbols), ``tiny_model()`` a
 random-init Llama with that vocabulary. ``load(name)`` returns either these (``name == "tiny"``) or a real
-model and tokenizer from the hub / a local path, with FlashAttention-2 when ``flash_attn`` is importable.
+model and tokenizer from the hub / a local path, with FlashAttention-2 when ``flash_attn`` is importable and the
+model runs in bf16/fp16 on CUDA.
 """
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def tiny_model(vocab_size=64, hidden_size=32, num_layers=1, seed=0, dtype=torch.
     return LlamaForCausalLM(cfg).to(dtype)
 
 
+def attn_implementation(dtype):
+    """"flash_attention_2" when it can run: ``flash_attn`` importable, a CUDA device, and a half-precision model
+    (FlashAttention-2 rejects fp32 at the first forward); else None (the transformers default, SDPA)."""
+    if dtype not in (torch.float16, torch.bfloat16) or not torch.cuda.is_available():
+        return None
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else None
+
+
 def load(name="tiny", dtype=None):
     """``(model, tokenizer)``: the tiny random-init pair, or a real model by hub id / path."""
     if name == "tiny":
@@ -43,8 +52,9 @@ def load(name="tiny", dtype=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"dtype": dtype or torch.bfloat16}
-    if importlib.util.find_spec("flash_attn") is not None:
-        kwargs["attn_implementation"] = "flash_attention_2"
+    attn = attn_implementation(kwargs["dtype"])
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     tok = AutoTokenizer.from_pretrained(name)
     if tok.pad_token is None:

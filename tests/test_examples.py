@@ -37,3 +37,20 @@ def test_grpo_example(tmp_path):
                                        "--output-dir", str(tmp_path), "--sync-every", "2"])
     assert tr.hk_sync.num_syncs == 1  # steps 0 and 1 with sync_every=2: only step 0 syncs
     assert any("reward" in h for h in tr.state.log_history)
+
+
+def test_flash_attention_only_when_it_can_run(monkeypatch):
+    """FA2 is requested only for a half-precision model on CUDA with flash_attn importable (it rejects fp32)."""
+    import importlib.util as iu
+
+    import torch
+
+    tiny = _load("tiny")
+    real_find_spec = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda n, *a: object() if n == "flash_attn" else real_find_spec(n, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tiny.attn_implementation(torch.bfloat16) == "flash_attention_2"
+    assert tiny.attn_implementation(torch.float16) == "flash_attention_2"
+    assert tiny.attn_implementation(torch.float32) is None  # the examples' default without --bf16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tiny.attn_implementation(torch.bfloat16) is None
