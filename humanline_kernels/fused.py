@@ -70,7 +70,9 @@ class _TokenLogprobs(torch.autograd.Function):
         temperature, ignore_index, inplace = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
         d = _bwd(l3, y3, lse, grad_logp.reshape(y3.shape), temperature, ignore_index, inplace)
-        return (logits if inplace else d.view(logits.shape)), None, None, None, None, None
+        # in place, ``d`` is ``l3``: a view of ``logits``, or a copy when ``[..., T, V]`` could not be flattened
+        # without one (then the gradient lives in the copy, not in ``logits``)
+        return d.view(logits.shape), None, None, None, None, None
 
 
 def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False,

@@ -66,6 +66,25 @@ def test_inplace_backward_bumps_version():
     assert buf._version > v0
 
 
+def test_inplace_backward_4d_view_that_reshape_copies():
+    """A 4-D view whose leading dims cannot be flattened without a copy: the in-place gradient lives in that copy
+    and must still be the one returned (not the untouched logits)."""
+    g0 = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 4, 5, 50, generator=g0)
+    y = torch.randint(0, 50, (2, 2, 5), generator=g0)
+    y[0, 1, 2] = -100
+    g = torch.randn(2, 2, 5, generator=g0)
+    xr = base.clone().requires_grad_()
+    (hk.reference.token_logprobs(xr.transpose(0, 1)[:2, :2], y) * g).sum().backward()
+    for inplace in (False, True):
+        leaf = base.clone().requires_grad_()
+        view = (leaf * 1).transpose(0, 1)[:2, :2]
+        with pytest.raises(RuntimeError):
+            view.view(-1, 5, 50)  # really needs a copy to become [B, T, V]
+        (hk.token_logprobs(view, y, inplace_backward=inplace) * g).sum().backward()
+        torch.testing.assert_close(leaf.grad, xr.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_ops_contract_and_inplace_out():
     """ops.logprobs_fwd/bwd (used by the fused-linear path) against the eager ops on the same view."""
     x, y = _data(2, 4, 200, torch.float32)
