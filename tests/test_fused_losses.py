@@ -209,3 +209,33 @@ def test_gpu_compile_inductor_and_large_vocab(gif):
     lk.backward()
     torch.testing.assert_close(lk, lr.detach(), atol=2e-3, rtol=1e-3)
     assert ((xk.grad.float() - xr.grad).norm() / xr.grad.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("agg", [dict(loss_type="dapo"), dict(loss_type="bnpo", normalizer=6.5),
+                                 dict(loss_type="dapo", normalizer=torch.tensor(3.0)), dict(loss_type="grpo"),
+                                 dict(loss_type="dr_grpo"), dict(loss_type="dr_grpo", max_completion_length=11)])
+@pytest.mark.parametrize("empty", ["none", "row", "all"])
+def test_grpo_row_weights_match_grpo_aggregate(agg, empty):
+    """ops.grpo_row_weights (used by grad_in_forward) restates d grpo_aggregate / d per_token: pin them together."""
+    g = torch.Generator().manual_seed(11)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    if empty == "row":
+        mask[2] = False
+    elif empty == "all":
+        mask[:] = False
+    full = dict(dict(normalizer=None, max_completion_length=None), **agg)
+    x = torch.randn(4, 6, generator=g).requires_grad_()
+    hk.losses.grpo_aggregate(torch.where(mask, x, 0.0), mask, **full).backward()
+    w = ops.grpo_row_weights(mask, **agg)
+    assert w.shape == (4,) and w.dtype == torch.float32
+    torch.testing.assert_close(torch.where(mask, w[:, None].expand(4, 6), 0.0), x.grad, atol=0, rtol=1e-6)
+
+
+def test_grpo_grad_in_forward_second_backward_raises():
+    """The stored gradient is scaled in place by grad_output: a second backward must fail, not rescale it."""
+    x, y, ref = _data(2, 3, 40, seed=12)
+    leaf = x.detach().clone().requires_grad_()
+    loss, _ = hk.fused.grpo(leaf[:, :-1] * 1, y, ref, torch.tensor([1.0, -1.0]), grad_in_forward=True)
+    (loss * 2.0).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        (loss * 2.0).backward()
