@@ -118,12 +118,23 @@ def test_refusals(tiny_path):
     with pytest.raises(ValueError, match="one optimizer step"):
         HumanlineGRPOTrainer(tiny_path, reward_funcs=T.digit_reward, train_dataset=T.grpo_data(), processing_class=tok,
                              args=HumanlineGRPOConfig(**kw, **T.GRPO_KW, steps_per_generation=2))
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):  # also off: the loss lacks it
+        HumanlineGRPOTrainer(tiny_path, reward_funcs=T.digit_reward, train_dataset=T.grpo_data(), processing_class=tok,
+                             args=HumanlineGRPOConfig(**kw, **T.GRPO_KW, use_vllm=True, humanline=False))
     with pytest.raises(ValueError, match="log_eps_p"):
         HumanlineDPOConfig(**kw, log_eps_p=1.0, log_eps_r=0.5)
     with pytest.raises(ValueError, match="fused"):
         HumanlineDPOConfig(**kw, fused="chunked")
     with pytest.raises(ValueError, match="sync_every"):
         HumanlineGRPOConfig(**kw, **T.GRPO_KW, sync_every=0)
+
+
+def test_configs_take_output_dir_positionally():
+    """Like TRL's configs (and the trainers' ``args=None`` default), the first positional field is output_dir."""
+    kw = dict(use_cpu=True, report_to=[])
+    for cls in (HumanlineDPOConfig, HumanlineKTOConfig, HumanlineGRPOConfig):
+        c = cls("out-dir", **kw)
+        assert c.output_dir == "out-dir" and c.humanline is True and c.fused == "linear", cls
 
 
 def test_callback_standalone():

@@ -79,7 +79,7 @@ def _hk_settings(args):
 
 
 @dataclass
-class HumanlineDPOConfig(DPOConfig, _HumanlineFields):
+class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
     """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
 
     def __post_init__(self):
@@ -88,7 +88,7 @@ class HumanlineDPOConfig(DPOConfig, _HumanlineFields):
 
 
 @dataclass
-class HumanlineKTOConfig(KTOConfig, _HumanlineFields):
+class HumanlineKTOConfig(_HumanlineFields, KTOConfig):
     """``trl.KTOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
 
     def __post_init__(self):
@@ -97,7 +97,7 @@ class HumanlineKTOConfig(KTOConfig, _HumanlineFields):
 
 
 @dataclass
-class HumanlineGRPOConfig(GRPOConfig, _HumanlineFields):
+class HumanlineGRPOConfig(_HumanlineFields, GRPOConfig):
     """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
 
     def __post_init__(self):
@@ -396,6 +396,9 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
         _refuse(args.off_policy_mask_threshold is not None, f"{name} does not support off_policy_mask_threshold")
         _refuse(args.top_entropy_quantile < 1.0, f"{name} does not support top_entropy_quantile < 1")
         _refuse(args.entropy_coef != 0.0 or args.use_adaptive_entropy, f"{name} does not support the entropy bonus")
+        _refuse(args.use_vllm and args.vllm_importance_sampling_correction,
+                f"{name}: vLLM importance-sampling correction (TRL's per-token sampling ratio) is not applied by the "
+                "humanline GRPO loss; set vllm_importance_sampling_correction=False")
         if self.hk_humanline:
             gen_every = args.steps_per_generation * args.num_iterations
             _refuse(gen_every != args.gradient_accumulation_steps,
@@ -403,9 +406,6 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
                     "reference of one optimizer step, so a generation batch must span exactly one optimizer step: "
                     f"steps_per_generation * num_iterations ({gen_every}) must equal gradient_accumulation_steps "
                     f"({args.gradient_accumulation_steps})")
-            _refuse(args.use_vllm and args.vllm_importance_sampling_correction,
-                    f"{name}: vLLM importance-sampling correction is not supported with humanline; set "
-                    "vllm_importance_sampling_correction=False")
         beta = args.beta
         if ref_model is not None:
             args.beta = 0.0  # keep TRL from loading its own reference; ours is installed below
