@@ -133,3 +133,30 @@ def test_mismatched_models_raise():
     ref = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3, bias=False))
     with pytest.raises(ValueError, match="not wrapped identically"):
         hk.ReferenceSyncer(pol, ref).sync()
+
+
+def test_bench_time_reps_counts_calls_not_ms(monkeypatch):
+    """do_bench's rep is in ms: a 50 ms step must be timed over ~reps calls, not once (a 1 % target needs that)."""
+    import time
+
+    from bench import bench_sync, common
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(common, "time_ms", lambda fn, warmup=25, rep=100: seen.update(warmup=warmup, rep=rep) or 1.0)
+    bench_sync.time_reps(lambda: time.sleep(0.05), reps=20)
+    assert seen["rep"] >= 20 * 50 and seen["warmup"] >= 2 * 50
+
+
+def test_bench_sync_quick_runs(tmp_path):
+    import json
+    import math
+
+    from bench import bench_sync
+    assert bench_sync.main(["--quick", "--out", str(tmp_path)]) == 0
+    copy = json.load(open(tmp_path / "sync_copy.json"))
+    assert len(copy["rows"]) == 9 and all(r["tensors"] == 290 and r["ratio_to_copy_bw"] > 0 for r in copy["rows"])
+    fsdp2 = json.load(open(tmp_path / "sync_fsdp2.json"))
+    # our sync vs the state_dict way: a ratio of two measured sync times (not of a possibly ~0 added time)
+    assert math.isfinite(fsdp2["meta"]["state_dict_over_ours"]) and fsdp2["meta"]["state_dict_over_ours"] > 1
+    assert {r["impl"] for r in fsdp2["rows"]} >= {"our sync alone (blocking)", "state_dict way alone"}
