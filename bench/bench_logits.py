@@ -38,22 +38,25 @@ def _impls(x, y, ref, quick):
     g = torch.randn(1, N, device=x.device)
     adv = torch.randn(1, device=x.device)
     half = ref.new_zeros(2, N // 2)
+    # the in-place variants overwrite their logits with the gradient: give them their own buffer so that x keeps
+    # the same logits for every other impl (its values then drift, which does not change the work done)
+    xi = x.detach().clone().requires_grad_()
 
-    def grad(out, go=None):
-        return torch.autograd.grad(out, x, go)[0]
+    def grad(out, go=None, wrt=x):
+        return torch.autograd.grad(out, wrt, go)[0]
 
     def eager_lp(z):
         return torch.log_softmax(z.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
 
     impls = {
         "hk.token_logprobs": (lambda: grad(hk.token_logprobs(x, y, validate=False), g), 3),
-        "hk.token_logprobs(inplace)": (lambda: grad(hk.token_logprobs(x, y, validate=False, inplace_backward=True),
-                                                    g), 3),
+        "hk.token_logprobs(inplace)": (lambda: grad(hk.token_logprobs(xi, y, validate=False, inplace_backward=True),
+                                                    g, xi), 3),
         "hk.fused.grpo": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False)[0]), 3),
         "hk.fused.grpo(grad_in_fwd)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False,
                                                                   grad_in_forward=True)[0]), 2),
         "hk.fused.grpo(grad_in_fwd,inplace)": (lambda: grad(hk.fused.grpo(
-            x, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True, inplace_backward=True)[0]), 2),
+            xi, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True, inplace_backward=True)[0], None, xi), 2),
         "hk.fused.dpo": (lambda: grad(hk.fused.dpo(x.view(2, N // 2, V), y.view(2, -1), half, validate=False)[0]),
                          3),
         "hk.fused.kto": (lambda: grad(hk.fused.kto(x.view(2, N // 2, V), y.view(2, -1), half,

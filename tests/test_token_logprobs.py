@@ -170,3 +170,16 @@ def test_gpu_int64_offsets():
     torch.testing.assert_close(lp[0, -4:], last, atol=2e-3, rtol=0)
     ops.logprobs_bwd(x, y, lse, torch.ones_like(lp), 1.0, -100, out=x)
     assert torch.isfinite(x[0, -1]).all()
+
+
+def test_bench_logits_quick(tmp_path, monkeypatch):
+    """``python -m bench logits --quick`` runs; in-place impls leave the shared logits alone for the others."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU smoke times the eager paths
+    from bench import bench_logits
+    x, y, ref = bench_logits._inputs(16, 50, "cpu", torch.bfloat16)
+    x0 = x.detach().clone()
+    for fn, _ in bench_logits._impls(x, y, ref, quick=True).values():
+        fn()
+    assert torch.equal(x.detach(), x0)
+    assert bench_logits.main(["--quick", "--n", "16", "--vocab", "50", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "logits_quick.json").exists()
