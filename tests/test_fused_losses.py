@@ -239,3 +239,34 @@ def test_grpo_grad_in_forward_second_backward_raises():
     (loss * 2.0).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="inplace"):
         (loss * 2.0).backward()
+
+
+@pytest.mark.parametrize("interp", ["1", "0"])
+def test_clip_band_ends_pass_gradient(interp, monkeypatch):
+    """delta exactly on a band end: inside for the gradient (torch.clamp), outside for unclipped_frac (strict)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    x = torch.zeros(1, 4, 1)  # V = 1: logp == 0 exactly, so delta == -ref exactly
+    y = torch.zeros(1, 4, dtype=torch.long)
+    y[0, 3] = -100
+    ref = torch.tensor([[-1.5, 1.5, 0.0, 0.0]])
+    kw = dict(clip=hk.HumanlineClip(-1.5, 1.5), temperature=1.0, ignore_index=-100)
+    val, coef, _, aux = ops.token_terms_fwd(x, y, ref, mode=ops.MODE_RATIO, **kw)
+    assert val.tolist() == [[1.5, -1.5, 0.0, 0.0]] and coef.tolist() == [[1.0, 1.0, 1.0, 0.0]]
+    assert aux[0].tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    adv = torch.tensor([-1.0])
+    val, coef, _, aux = ops.token_terms_fwd(x, y, ref, mode=ops.MODE_GRPO, advantages=adv, beta=0.1, **kw)
+    lp = torch.zeros(1, 4, requires_grad=True)
+    loss, m = hk.losses.grpo(lp, ref, adv, y != -100, beta=0.1, normalizer=1.0)
+    loss.backward()
+    torch.testing.assert_close(coef, lp.grad, atol=1e-6, rtol=0)
+    torch.testing.assert_close(val.sum(), loss.detach(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dpo", "kto"])
+def test_nan_logits_propagate_with_clip(kind):
+    x, y, ref = _data(2, 3, 40, seed=13)
+    x[0, 1, :] = float("nan")
+    y[0, 1] = 3
+    extra = {"grpo": (torch.ones(2),), "dpo": (), "kto": (torch.tensor([True, False]),)}[kind]
+    loss = getattr(hk.fused, kind)(x[:, :-1], y, ref, *extra, clip=hk.HumanlineClip())[0]
+    assert torch.isnan(loss)
