@@ -12,7 +12,8 @@ For each row ``r = (b, t)`` the kernel finds ``lse`` and ``l = z_y - lse`` (onli
 ``aux [4, N]`` fp32 holds ``[p < D < r]``, the GRPO low/high clip indicators and ``k3`` (metrics only).
 With ``GRAD`` (GRPO) the same program also writes ``dz = w_b * coef * (onehot(y) - softmax(z)) / T`` into
 ``grad``, where ``w_b = d loss / d val`` is the aggregation weight of row ``b``: the row is read once for the
-softmax statistics and once more (largely from L2) while the gradient is written.
+softmax statistics and once more while the gradient is written (from L2 only while the rows in flight fit in it;
+at V >= 32k on an H100 that read mostly goes to HBM, see docs/kernels.md).
 """
 from __future__ import annotations
 
