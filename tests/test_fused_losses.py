@@ -164,10 +164,13 @@ def test_opcheck():
         (hl.token_terms, (x3, y, ref, None, torch.ones(2), 2, True, -1.5, 1.5, 0.2, 0.2, 0.1, 1.0, -100)),
         (hl.grpo_grad_fwd, (x3, y, ref, ref, torch.ones(2), torch.ones(2), torch.empty_like(x3), True, -1.5, 1.5,
                             0.2, 0.2, 0.1, 1.0, -100)),
+        (hl.grpo_grad_fwd_, (x.clone()[:, :-1], y, ref, ref, torch.ones(2), torch.ones(2), True, -1.5, 1.5, 0.2,
+                             0.2, 0.1, 1.0, -100)),
+        (hl.logprobs_fwd, (x3, y, 1.0, -100, False)),
         (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor(2.0))),
     ]
-    for op, args in cases:
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    for op, args in cases:  # every opcheck utility: schema, fake tensors, autograd registration, AOT dispatch
+        torch.library.opcheck(op, args)
 
 
 def test_compile_fullgraph_step():
