@@ -106,7 +106,10 @@ def grpo_aggregate(per_token, mask, *, loss_type, normalizer, max_completion_len
     """GRPO aggregation of ``per_token [B, T]`` (already 0 where masked out) by ``loss_type``."""
     B, T = per_token.shape
     if loss_type in ("dapo", "bnpo"):
-        den = mask.sum().to(per_token.dtype).clamp(min=1) if normalizer is None else normalizer
+        if normalizer is None:
+            den = mask.sum().to(per_token.dtype).clamp(min=1)
+        else:  # a 1-element tensor (e.g. an all-reduced token count) must still give a 0-d loss
+            den = normalizer.reshape(()) if isinstance(normalizer, torch.Tensor) else normalizer
         return per_token.sum() / den
     if loss_type == "grpo":
         row_n = mask.sum(dim=1).to(per_token.dtype)

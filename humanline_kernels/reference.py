@@ -148,7 +148,8 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     mf = mask.to(logps.dtype)
     n = mf.sum()
     if loss_type in ("dapo", "bnpo"):
-        loss = per_token.sum() / (n.clamp(min=1) if normalizer is None else normalizer)
+        den = n.clamp(min=1) if normalizer is None else torch.as_tensor(normalizer, dtype=logps.dtype).reshape(())
+        loss = per_token.sum() / den
     elif loss_type == "grpo":
         row_n = mf.sum(dim=1)
         row_mean = per_token.sum(dim=1) / row_n.clamp(min=1)

@@ -160,6 +160,8 @@ def test_grpo_four_aggregations_by_hand(level):
     assert level.grpo(logps, ref, A, mask, loss_type="dapo", normalizer=6.0)[0].item() == pytest.approx(-0.5)
     assert level.grpo(logps, ref, A, mask, normalizer=torch.tensor(6.0, dtype=torch.float64))[0].item() == \
         pytest.approx(-0.5)
+    loss = level.grpo(logps, ref, A, mask, normalizer=torch.tensor([6.0], dtype=torch.float64))[0]
+    assert loss.dim() == 0 and loss.item() == pytest.approx(-0.5)  # a 1-element normalizer still gives a 0-d loss
 
 
 # ---------------------------------------------------------------------------------------------------------------
