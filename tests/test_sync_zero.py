@@ -148,9 +148,35 @@ def test_zero12():
     run(zero12_worker)
 
 
+def gathered_copied_in_wait():
+    """The policy's gathered data of a ZeRO-3 param held at start() may be freed/reused by the policy forward
+    before wait(): it is copied in wait() (late, current stream), not from start() (side stream)."""
+    pol, ref = policy_engine(Net(0), 3), reference_engine(Net(1), 3)
+    x = torch.zeros(4, 5)
+    for _ in range(2):  # persistent params stay gathered from the second (traced) forward on
+        with torch.no_grad():
+            ref(x), pol(x)
+    held = {n: p for n, p in pol.module.named_parameters() if p.ds_persist}
+    rheld = {n: r for n, r in ref.module.named_parameters() if r.ds_persist}
+    assert held and held.keys() == rheld.keys()
+    assert all(p.data.numel() == p.ds_numel for p in list(held.values()) + list(rheld.values()))
+    syncer = hk.ReferenceSyncer(pol, ref)
+    syncer.start()
+    late = syncer._pairs.late_names()
+    assert {n + "(gathered)" for n in held} <= set(late) and not any(n in late for n in held)
+    with torch.no_grad():  # the memory the policy held gathered at start() now holds something else
+        for p in held.values():
+            p.data.add_(1.0)
+    want = {n: p.data.clone() for n, p in held.items()}
+    syncer.wait()
+    for n, r in rheld.items():
+        assert torch.equal(r.data, want[n]), f"{n}: gathered data copied before wait()"
+
+
 def zero3_worker(rank, world):
     _init_ds()
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3), tag="zero3")
+    gathered_copied_in_wait()
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3), every=3, steps=7, warm=True,
              tag="zero3 every=3, warm reference")
     # persistence differs: the reference's gathered copies are released, not copied

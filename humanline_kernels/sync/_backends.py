@@ -10,7 +10,9 @@
   SHARD_GRAD_OP) are freed first, or the next reference forward would reuse them.
 * ZeRO-3: each parameter's local partition ``ds_tensor``, plus the full data of gathered params (persistent
   small params) when the policy holds it too; otherwise the reference's gathered copy is released.
-Buffers are copied in full in every backend. Pairs are checked once (names, shapes, placements, dtypes) and
+Buffers are copied in full in every backend. Pairs are early (local shards/partitions: copied from ``start()``,
+possibly on a side stream) or late (buffers, ZeRO-3 gathered data: copied in ``wait()`` on the current stream,
+because the policy forward between the two may update or free/reuse that memory). Pairs are checked once (names, shapes, placements, dtypes) and
 re-resolved at every sync, so a replaced ``_local_tensor``/``.data`` (``.to()``, ``load_state_dict``) is seen.
 """
 from __future__ import annotations
@@ -20,25 +22,36 @@ from torch import nn
 
 
 class Pairs:
-    """Named (reference, policy) tensor getters plus a ``prepare`` hook run before each resolve."""
+    """Named (reference, policy) tensor getters, early or late, plus hooks run before each resolve.
 
-    def __init__(self, backend: str, prepare=None):
+    Early pairs (parameter shards/partitions, long-lived storage) are copied from ``start()``, possibly on a side
+    stream; late pairs (buffers, ZeRO-3 gathered data) in ``wait()`` on the current stream, after the policy
+    forward that may change them or free and reuse their memory. ``prepare`` runs before the early resolve,
+    ``prepare_late`` before the late one.
+    """
+
+    def __init__(self, backend: str, prepare=None, prepare_late=None):
         self.backend = backend
         self.names: list[str] = []
-        self.getters: list = []  # (get_dst, get_src, is_buffer)
+        self.getters: list = []  # (get_dst, get_src, late)
         self.prepare = prepare
+        self.prepare_late = prepare_late
 
-    def add(self, name, get_dst, get_src, buffer=False):
+    def add(self, name, get_dst, get_src, buffer=False, late=False):
         self.names.append(name)
-        self.getters.append((get_dst, get_src, buffer))
+        self.getters.append((get_dst, get_src, bool(buffer or late)))
 
-    def resolve(self, buffers: bool):
-        """Current (dsts, srcs) of the parameters (or of the buffers); ``None`` if the structure changed."""
-        if self.prepare is not None and not buffers:
-            self.prepare()
+    def late_names(self) -> list[str]:
+        return [n for n, (_, _, late) in zip(self.names, self.getters) if late]
+
+    def resolve(self, late: bool):
+        """Current (dsts, srcs) of the early (or late) pairs; ``None`` if the structure changed."""
+        hook = self.prepare_late if late else self.prepare
+        if hook is not None:
+            hook()
         dsts, srcs = [], []
         for gd, gs, b in self.getters:
-            if b != buffers:
+            if b != late:
                 continue
             d, s = gd(), gs()
             if d is None or s is None or d.shape != s.shape:
@@ -263,6 +276,12 @@ def _zero3_full(p) -> bool:
     return p.data.numel() == p.ds_numel and p.ds_numel > 0
 
 
+def _zero3_held(p) -> bool:
+    """Gathered and available (not an all-gather still in flight)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return _zero3_full(p) and p.ds_status == ZeroParamStatus.AVAILABLE
+
+
 def _collect_zero3(pairs, ref, pol):
     rp = list(ref.named_parameters())
     pp = list(pol.named_parameters())
@@ -279,26 +298,29 @@ def _collect_zero3(pairs, ref, pol):
         pairs.add(name, lambda r=r: r.ds_tensor, lambda p=p: p.ds_tensor)
         # A gathered reference param (persistent small params after the first traced forward) is never
         # re-gathered from ds_tensor, so its full data must be copied too. Copied only while both models hold
-        # it; otherwise prepare() releases the reference's copy and the next forward gathers the synced
+        # it; otherwise prepare_late() releases the reference's copy and the next forward gathers the synced
         # partitions. So differing stage3_param_persistence_threshold or a not-yet-gathered policy still work.
+        # Late (in wait(), current stream): the policy's gathered data of a non-persistent param held at start()
+        # may be freed and its memory reused by the policy forward, so it must not be read on a side stream
+        # concurrently with that forward.
         empty = r.ds_tensor.new_empty(0)
-        both = lambda r=r, p=p: _zero3_full(r) and _zero3_full(p)  # noqa: E731
+        both = lambda r=r, p=p: _zero3_full(r) and _zero3_held(p)  # noqa: E731
         pairs.add(name + "(gathered)", lambda r=r, b=both, e=empty: r.data if b() else e,
-                  lambda p=p, b=both, e=empty: p.data if b() else e)
+                  lambda p=p, b=both, e=empty: p.data if b() else e, late=True)
         gathered.append((r, p))
     _add_named(pairs, ref, pol, "b")
 
     def prepare():
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
         if any(getattr(r, "ds_secondary_tensor", None) is not None for r, _ in gathered):
             # ZeRO++ hpZ gathers from the secondary partition once it exists, which this copy does not update
             raise ValueError("ReferenceSyncer: ZeRO++ hpZ (zero_hpz_partition_size > 1) is not supported "
                              "for the reference: its forward gathers a secondary partition this copy does not update")
-        stale = [r for r, p in gathered if _zero3_full(r) and r.ds_status == ZeroParamStatus.AVAILABLE
-                 and not _zero3_full(p)]
+
+    def prepare_late():  # in wait(): what the policy holds now decides which gathered copies are copied
+        stale = [r for r, p in gathered if _zero3_held(r) and not _zero3_held(p)]
         if stale:
             stale[0].partition(param_list=stale, has_been_updated=False)  # frees .data, keeps ds_tensor
-    pairs.prepare = prepare
+    pairs.prepare, pairs.prepare_late = prepare, prepare_late
 
 
 _COLLECT = {"plain": _collect_plain, "ddp": _collect_plain, "zero": _collect_plain, "fsdp2": _collect_fsdp2,

@@ -9,9 +9,11 @@ or does the whole copy itself if ``start()`` was not called, then advances the c
 accumulation it syncs once per optimizer step however many micro-batches there are. After the sync of step t
 the reference holds θ_t, the policy before step t's update.
 
-Parameters are copied from ``start()`` (on a side stream when ``overlap``); buffers are copied in ``wait()`` on
-the current stream, because the policy forward between the two may update them (BatchNorm running stats):
-copying them concurrently would race, and after the forward they are what the policy holds at the step.
+Parameter shards/partitions are copied from ``start()`` (on a side stream when ``overlap``); buffers and the
+gathered full data of ZeRO-3 params are copied in ``wait()`` on the current stream, because the policy forward
+between the two may change them (BatchNorm running stats) or free and reuse their memory (a ZeRO-3 param the
+policy held gathered at ``start()``): copying them concurrently would race, and after the forward they are what
+the policy holds at the step.
 """
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ class ReferenceSyncer:
             else:
                 self._launch(side=False)
             with torch.no_grad():
-                plan = self._plan(buffers=True)
+                plan = self._plan(late=True)
                 for d in plan.devices():
                     plan.run(d)
         self._started = False
@@ -124,7 +126,7 @@ class ReferenceSyncer:
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _launch(self, side: bool) -> None:
-        plan = self._plan(buffers=False)
+        plan = self._plan(late=False)
         with torch.no_grad():
             by_dev = plan.devices()
             cuda_devs = [d for d in by_dev if d.type == "cuda"]
@@ -148,13 +150,13 @@ class ReferenceSyncer:
                 for d in by_dev:
                     plan.run(d)
 
-    def _plan(self, buffers: bool) -> CopyPlan:
+    def _plan(self, late: bool) -> CopyPlan:
         if self._pairs is None:
             self._pairs = collect_pairs(self.policy, self.reference)
-        got = self._pairs.resolve(buffers)
+        got = self._pairs.resolve(late)
         if got is None:  # structure changed (load_state_dict(assign=True), .to(), a new layout): re-collect
             self._pairs = collect_pairs(self.policy, self.reference)
-            got = self._pairs.resolve(buffers)
+            got = self._pairs.resolve(late)
             if got is None:
                 raise RuntimeError("reference/policy parameter pairs changed while being collected")
         return CopyPlan(*got, use_kernel=self.use_kernel)
