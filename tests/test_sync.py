@@ -113,6 +113,20 @@ def test_resume_restores_counter_and_recollects():
         b.load_state_dict({"step": -1})
 
 
+def test_load_state_dict_warns_on_different_every():
+    import warnings
+    pol, ref = make(0), make(1)
+    s = hk.ReferenceSyncer(pol, ref, every=2)
+    with pytest.warns(UserWarning, match="every=3.*keeping every=2"):
+        s.load_state_dict({"step": 5, "every": 3})
+    assert s.every == 2 and s.step == 5 and s.is_sync_step is False  # not silently changed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.load_state_dict({"step": 4, "every": 2})
+        s.load_state_dict({"step": 4})
+    assert s.step == 4 and s.is_sync_step
+
+
 def test_recollects_after_to_and_assign_load():
     pol, ref = make(0), make(1)
     syncer = hk.ReferenceSyncer(pol, ref)

@@ -17,6 +17,8 @@ the policy holds at the step.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -72,12 +74,21 @@ class ReferenceSyncer:
         return {"step": self._step, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the step counter (for resume) and re-collect the parameter pairs on the next sync."""
+        """Restore the step counter (for resume) and re-collect the parameter pairs on the next sync.
+
+        ``every`` stays what this syncer was built with: a saved ``every`` that differs only warns (so a run can
+        be resumed with a new sync period on purpose; step t syncs when ``t % every == 0`` with the new one).
+        """
         if self._started:
             raise RuntimeError("load_state_dict() called between start() and wait()")
         step = state["step"]
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"state['step'] must be a non-negative int, got {step!r}")
+        saved_every = state.get("every")
+        if saved_every is not None and saved_every != self.every:
+            warnings.warn(f"ReferenceSyncer.load_state_dict: the state was saved with every={saved_every!r}, this "
+                          f"syncer has every={self.every}; keeping every={self.every} (build the syncer with "
+                          f"every={saved_every!r} to resume the saved schedule)", UserWarning, stacklevel=2)
         self._step = step
         self.refresh()
 
