@@ -84,15 +84,24 @@ def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, T, V, inv_t,
-                         ignore_index, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
-    r = tl.program_id(0)
+def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index, BLOCK_V: tl.constexpr,
+              ENTROPY: tl.constexpr):
+    """Row ``r``'s ``(row pointer, label, valid, lse, sum p*z, logp)``; ``logp = z_y - lse``, 0 where ignored."""
     base = _row_base(x_ptr, r, T, x_sb, x_st)
     y = tl.load(_row_base(y_ptr, r, T, y_sb, y_st))
     valid = y != ignore_index
     lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
     zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32) * inv_t
-    tl.store(logp_ptr + r, tl.where(valid, zy - lse, 0.0))
+    return base, y, valid, lse, pz, tl.where(valid, zy - lse, 0.0)
+
+
+@triton.jit
+def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, T, V, inv_t,
+                         ignore_index, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
+    r = tl.program_id(0)
+    _base, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index,
+                                                BLOCK_V, ENTROPY)
+    tl.store(logp_ptr + r, logp)
     tl.store(lse_ptr + r, lse)
     if ENTROPY:
         tl.store(ent_ptr + r, tl.where(valid, lse - pz, 0.0))

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import _row_base, _row_grad_store, _row_stats, _row_zero, block_config, device_guard
+from .logprobs import _row_base, _row_grad_store, _row_logp, _row_zero, block_config, device_guard
 
 MODE_RATIO, MODE_GRPO = 1, 2
 
@@ -39,12 +39,8 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
                         rho_lo, rho_hi, beta, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr,
                         HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
     r = tl.program_id(0)
-    base = _row_base(x_ptr, r, T, x_sb, x_st)
-    y = tl.load(_row_base(y_ptr, r, T, y_sb, y_st))
-    valid = y != ignore_index
-    lse, _unused = _row_stats(base, V, inv_t, BLOCK_V, False)
-    zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32) * inv_t
-    logp = tl.where(valid, zy - lse, 0.0)
+    base, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index,
+                                               BLOCK_V, False)
     delta = logp - tl.load(ref_ptr + r)
     if CLIP:
         dh = _clamp(delta, clip_lo, clip_hi)
