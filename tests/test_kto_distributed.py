@@ -1,18 +1,9 @@
 """KTO's KL baseline is all-reduced (sum and count) across ranks: gloo, world size 2, spawned processes."""
-import os
-import socket
-
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import humanline_kernels as hk
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _dist import run
 
 
 def _kl_rows(rank):
@@ -24,27 +15,22 @@ def _kl_rows(rank):
     return kl, torch.zeros_like(kl), torch.ones_like(kl, dtype=torch.bool)
 
 
-def _worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        logps = torch.tensor([[-1.0, -0.5]], dtype=torch.float64)
-        ref = torch.tensor([[-1.2, -0.4]], dtype=torch.float64)
-        mask = torch.ones(1, 2, dtype=torch.bool)
-        des = torch.tensor([rank == 0])
-        res = []
-        for level in (hk.reference, hk.losses):
-            loss, m = level.kto(logps, ref, mask, des, *_kl_rows(rank), beta=0.5)
-            res.append((loss.item(), m["kl"].item()))
-        out[rank] = res
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, out):
+    logps = torch.tensor([[-1.0, -0.5]], dtype=torch.float64)
+    ref = torch.tensor([[-1.2, -0.4]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    des = torch.tensor([rank == 0])
+    res = []
+    for level in (hk.reference, hk.losses):
+        loss, m = level.kto(logps, ref, mask, des, *_kl_rows(rank), beta=0.5)
+        res.append((loss.item(), m["kl"].item()))
+    out[rank] = res
 
 
 def test_kto_kl_baseline_all_reduced_world_size_2():
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+        run(_worker, out)
         out = dict(out)
     for rank in (0, 1):
         for loss, kl in out[rank]:
