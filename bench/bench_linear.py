@@ -89,7 +89,8 @@ def _cases(h, w, y, ref, adv, chunk_bytes, quick):
         cases["torch_compile_chunked_grpo"] = fb(compiled)
 
     try:
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        from trl.kernels import chunked_logprob as _trl_clp  # TRL 1.16 made it private
+        ChunkedLogProbFunction = getattr(_trl_clp, "ChunkedLogProbFunction", None) or _trl_clp._ChunkedLogProbFunction
         # forward(hidden [N, H], weight, bias, targets, temperature, chunk_size): TRL 1.16 signature
         cases["trl_chunked_logprob_grpo"] = fb(lambda: grpo_from(
             ChunkedLogProbFunction.apply(h2, w, None, y2.clamp(min=0), 1.0, 4096)[0] * mask.view(-1)))

@@ -1,7 +1,8 @@
 """Argument checks shared by every input level (reference, losses, fused, fused_linear).
 
 Each check raises ``ValueError`` naming the argument and what was expected, before any work is done. None of
-them syncs with the device except :func:`check_label_range`, which callers skip with ``validate=False``.
+them syncs with the device: they read shapes, dtypes and devices, and the one value check,
+:func:`check_label_range`, is a device-side assert on accelerators (callers skip it with ``validate=False``).
 """
 from __future__ import annotations
 
@@ -139,11 +140,21 @@ def check_logits_labels(logits, labels, *, ignore_index):
 
 
 def check_label_range(labels, V, ignore_index):
-    """Labels must lie in ``[0, V)`` or equal ``ignore_index``. This syncs with the device (one bool)."""
-    bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
-    if bool(bad.any()):
+    """Labels must lie in ``[0, V)`` or equal ``ignore_index``, checked without a host sync.
+
+    CPU tensors: a ``ValueError`` right away (there is no device to wait for). CUDA tensors: an asynchronous
+    device-side assert (``torch._assert_async``), so the check is CUDA-graph capturable and the host never waits; a
+    bad label then fails at the next synchronisation with ``RuntimeError: CUDA error: device-side assert
+    triggered`` (as ``torch.nn.functional.cross_entropy`` does) and the CUDA context is unusable afterwards.
+    """
+    msg = f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}"
+    ok = (((labels >= 0) & (labels < V)) | (labels == ignore_index)).all()
+    if labels.device.type != "cpu":
+        torch._assert_async(ok, msg)
+        return
+    try:
+        torch._assert_async(ok, msg)
+    except RuntimeError:
+        bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
         idx = bad.nonzero()[0].tolist()
-        raise ValueError(
-            f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}; "
-            f"got {int(labels[tuple(idx)])} at index {idx}"
-        )
+        raise ValueError(f"{msg}; got {int(labels[tuple(idx)])} at index {idx}") from None

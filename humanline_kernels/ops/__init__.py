@@ -17,19 +17,35 @@ from . import eager
 MODE_RATIO, MODE_GRPO = 1, 2  # token_terms_fwd modes: clipped log-ratio (DPO/KTO), GRPO term
 
 
+_TRITON = None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - triton missing or broken
-        return False
-    return True
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from . import _jit  # noqa: F401  (imports triton)
+            _TRITON = True
+        except Exception:  # pragma: no cover - triton missing or broken
+            _TRITON = False
+    return _TRITON
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """True when ``t`` should go through the Triton kernels."""
-    if t.is_cuda:
-        return triton_available()
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+    """True when ``t`` should go through the Triton kernels: compiled for CUDA tensors, interpreted for CPU
+    tensors under ``TRITON_INTERPRET=1`` (read at call time; see :mod:`._jit`)."""
+    if not triton_available():
+        return False
+    from ._jit import COMPILED_DEVICES
+    if t.device.type in COMPILED_DEVICES:
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _eager(name):
+    if triton_available():
+        from ._jit import count_eager
+        count_eager(name)
 
 
 def _triton_ok(logits: torch.Tensor) -> bool:
@@ -42,6 +58,7 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
     if _triton_ok(logits):
         from . import logprobs
         return logprobs.logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy)
+    _eager("logprobs_fwd")
     return eager.logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy)
 
 
@@ -50,6 +67,7 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     if _triton_ok(logits):
         from . import logprobs
         return logprobs.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)
+    _eager("logprobs_bwd")
     return eager.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)
 
 
@@ -70,6 +88,7 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
         from . import losses_kernels
         return losses_kernels.token_terms_fwd(logits, labels, ref_logps, **kw)
     from . import terms_eager
+    _eager("token_terms")
     return terms_eager.token_terms_fwd(logits, labels, ref_logps, **kw)
 
 

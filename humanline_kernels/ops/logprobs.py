@@ -19,10 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ._jit import COMPILED_DEVICES, jit, launcher
+
 
 def block_config(V: int, device: torch.device) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` for a vocabulary of ``V``: large blocks on GPU, small ones in the interpreter."""
-    if device.type == "cuda":
+    if device.type in COMPILED_DEVICES:
         return min(triton.next_power_of_2(V), 4096), 8
     return min(triton.next_power_of_2(V), 128), 1
 
@@ -32,14 +34,14 @@ def device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-@triton.jit
+@jit
 def _row_base(ptr, r, T, s_b, s_t):
     """Pointer to row ``r`` of a ``[B, T, ...]`` view with strides ``(s_b, s_t)``, in int64."""
     r64 = r.to(tl.int64)
     return ptr + (r64 // T) * s_b + (r64 % T) * s_t
 
 
-@triton.jit
+@jit
 def _row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
     """Online softmax over one row: ``(lse, sum p*z)`` of ``z = x * inv_t`` (second is 0 without ENTROPY)."""
     cols = tl.arange(0, BLOCK_V)
@@ -62,7 +64,7 @@ def _row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
     return lse, s / d
 
 
-@triton.jit
+@jit
 def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr):
     """Write ``g * (onehot(y) - exp(z - lse)) * inv_t`` for one row into ``out_base`` (may equal ``base``)."""
     cols = tl.arange(0, BLOCK_V)
@@ -75,7 +77,7 @@ def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr):
         tl.store(out_base + c, dz.to(out_base.dtype.element_ty), mask=c < V)
 
 
-@triton.jit
+@jit
 def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
@@ -83,7 +85,7 @@ def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
         tl.store(out_base + c, tl.zeros([BLOCK_V], dtype=out_base.dtype.element_ty), mask=c < V)
 
 
-@triton.jit
+@jit
 def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index, BLOCK_V: tl.constexpr,
               ENTROPY: tl.constexpr):
     """Row ``r``'s ``(row pointer, label, valid, lse, sum p*z, logp)``; ``logp = z_y - lse``, 0 where ignored."""
@@ -95,7 +97,7 @@ def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index
     return base, y, valid, lse, pz, tl.where(valid, zy - lse, 0.0)
 
 
-@triton.jit
+@jit
 def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, T, V, inv_t,
                          ignore_index, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
     r = tl.program_id(0)
@@ -107,7 +109,7 @@ def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr
         tl.store(ent_ptr + r, tl.where(valid, lse - pz, 0.0))
 
 
-@triton.jit
+@jit
 def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, o_ptr, o_sb, o_st, T, V, inv_t,
                          ignore_index, BLOCK_V: tl.constexpr):
     r = tl.program_id(0)
@@ -121,7 +123,7 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, o
         _row_zero(out_base, V, BLOCK_V)
 
 
-@triton.jit
+@jit
 def _scale_rows_kernel(x_ptr, x_sb, x_st, s_ptr, T, V, BLOCK_V: tl.constexpr):
     """``x *= s`` in place, skipped on the device when ``s == 1`` (no host sync to find out)."""
     s = tl.load(s_ptr).to(tl.float32)
@@ -144,7 +146,7 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
         return logp, lse, ent
     block, warps = block_config(V, logits.device)
     with device_guard(logits):
-        _logprobs_fwd_kernel[(B * T,)](
+        launcher(_logprobs_fwd_kernel, logits)[(B * T,)](
             logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1), logp, lse,
             logp if ent is None else ent, T, V, 1.0 / temperature, ignore_index, BLOCK_V=block,
             ENTROPY=bool(return_entropy), num_warps=warps)
@@ -161,7 +163,7 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     block, warps = block_config(V, logits.device)
     g = grad_logp.reshape(B, T).contiguous()
     with device_guard(logits):
-        _logprobs_bwd_kernel[(B * T,)](
+        launcher(_logprobs_bwd_kernel, logits)[(B * T,)](
             logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1),
             lse.contiguous(), g, out, out.stride(0), out.stride(1), T, V, 1.0 / temperature, ignore_index,
             BLOCK_V=block, num_warps=warps)
@@ -175,6 +177,6 @@ def scale_rows_(x, scale):
         return x
     block, warps = block_config(V, x.device)
     with device_guard(x):
-        _scale_rows_kernel[(B * T,)](x, x.stride(0), x.stride(1), scale.reshape(1), T, V, BLOCK_V=block,
-                                     num_warps=warps)
+        launcher(_scale_rows_kernel, x)[(B * T,)](x, x.stride(0), x.stride(1), scale.reshape(1), T, V,
+                                                  BLOCK_V=block, num_warps=warps)
     return x

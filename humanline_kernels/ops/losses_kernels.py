@@ -18,22 +18,24 @@ at V >= 32k on an H100 that read mostly goes to HBM, see docs/kernels.md).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
+
+from ._jit import jit, launcher
 
 from .logprobs import _row_base, _row_grad_store, _row_logp, _row_zero, block_config, device_guard
 
 MODE_RATIO, MODE_GRPO = 1, 2
 
 
-@triton.jit
+@jit
 def _clamp(x, lo, hi):
-    # NaN stays NaN (as torch.clamp), so NaN logits give a NaN loss instead of a clamped number
-    nan = tl.PropagateNan.ALL
-    return tl.minimum(tl.maximum(x, lo, propagate_nan=nan), hi, propagate_nan=nan)
+    # NaN stays NaN (as torch.clamp), so NaN logits give a NaN loss instead of a clamped number. The enum is
+    # written inline: bound to a local name, the GPU compiler makes it a tensor and rejects it (the interpreter
+    # accepted it; caught by tests/test_compile_gate.py).
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.jit
+@jit
 def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, w_ptr, g_ptr, g_sb,
                         g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, N, T, V, inv_t, ignore_index, clip_lo, clip_hi,
                         rho_lo, rho_hi, beta, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr,
@@ -108,7 +110,7 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
     g = grad_out if grad else logits
     block, warps = block_config(V, dev)
     with device_guard(logits):
-        _token_terms_kernel[(B * T,)](
+        launcher(_token_terms_kernel, logits)[(B * T,)](
             logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1), ref, klr, adv,
             w, g, g.stride(0), g.stride(1), val, coef, lse, aux, B * T, T, V, 1.0 / temperature, ignore_index,
             float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0,

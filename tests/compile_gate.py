@@ -1,0 +1,240 @@
+"""Ahead-of-time compile of every Triton launch the package can make, for one GPU architecture, without a GPU.
+
+``python tests/compile_gate.py --arch 90 [--json FILE]`` (run by ``tests/test_compile_gate.py`` in a subprocess:
+it installs a stand-in Triton driver, which must not leak into the test process).
+
+How: the real launch wrappers of :mod:`humanline_kernels.ops` are called on ``meta`` tensors (no memory, any
+size) with ``meta`` routed to the compiled kernels. Triton's own ``JITFunction.run`` then specialises each launch
+exactly as at run time (dtypes, 16-divisibility of pointers and integers, integers equal to 1, int32 vs int64)
+and compiles it for ``GPUTarget("cuda", arch, 32)`` with the ptxas inside the triton wheel; the launch itself is
+skipped (``warmup=True``). The cases cover every constexpr combination (loss mode, clip, kl_ref, gradient in the
+forward, in place, entropy) at one aligned shape for fp32/bf16/fp16 logits, and every specialisation-changing
+shape (rows not 16-byte aligned, batch/row strides past 2^31, T = 1, odd T, tiny V, a ``[:, :-1]`` view) for the
+main configurations. Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in
+its PTX (no local memory; 16-byte global loads in aligned variants).
+
+Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte aligned rows)
+    "aligned": ((2, 8, 32000), None, True),
+    "view[:, :-1]": ((2, 9, 32000), slice(0, -1), True),
+    "V=50257": ((2, 8, 50257), None, False),
+    "T*V>2^31": ((2, 16384, 151936), None, True),
+    "T=1": ((4, 1, 32000), None, True),
+    "odd T, tiny V": ((3, 7, 5), None, False),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class _Driver:
+    """Enough of a Triton driver for ``JITFunction.run(warmup=True)``: a target, device 0, stream 0."""
+
+    def __init__(self, arch):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def set_current_device(self, device):
+        pass
+
+    def get_active_torch_device(self):
+        return torch.device("meta")
+
+
+def _install(arch, compiled):
+    from triton.runtime import driver
+
+    driver.set_active(_Driver(arch))
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):  # compile as at run time, never launch
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = run
+    from humanline_kernels.ops import _jit
+    _jit.COMPILED_DEVICES.add("meta")
+
+
+def _cases():
+    """``(name, aligned, call)``: each call drives the real launch wrappers once."""
+    from humanline_kernels import HumanlineClip
+    from humanline_kernels import ops
+
+    clip = HumanlineClip(-1.5, 1.5)
+
+    def tensors(shape_name, dtype):
+        shape, tslice, aligned = SHAPES[shape_name]
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        if tslice is not None:
+            x = x[:, tslice]
+        B, T, V = x.shape
+        y = torch.empty((B, T), dtype=torch.int64, device="meta")
+        f = torch.empty((B, T), dtype=torch.float32, device="meta")
+        adv = torch.empty((B,), dtype=torch.float32, device="meta")
+        return x, y, f, adv, aligned
+
+    def terms(shape_name, dtype, mode, use_clip, kl_ref, grad):
+        x, y, f, adv, _ = tensors(shape_name, dtype)
+        kw = dict(mode=mode, clip=clip if use_clip else None, temperature=0.7, ignore_index=-100)
+        if mode == ops.MODE_GRPO:
+            kw.update(advantages=adv, beta=0.04, kl_ref_logps=f if kl_ref else None)
+            if grad:
+                kw.update(row_weight=adv, grad_out=x if grad == "inplace" else torch.empty_like(x))
+        ops.token_terms_fwd(x, y, f, **kw)
+
+    def fwd(shape_name, dtype, entropy):
+        x, y, *_ = tensors(shape_name, dtype)
+        ops.logprobs_fwd(x, y, 0.7, -100, entropy)
+
+    def bwd(shape_name, dtype, inplace):
+        x, y, f, *_ = tensors(shape_name, dtype)
+        ops.logprobs_bwd(x, y, f, f, 0.7, -100, out=x if inplace else None)
+
+    def scale(shape_name, dtype):
+        x, *_ = tensors(shape_name, dtype)
+        ops.scale_rows_(x, torch.empty((), dtype=torch.float32, device="meta"))
+
+    cases = []
+    for dn, dt in DTYPES.items():
+        # every constexpr combination at the aligned shape
+        for use_clip in (False, True):
+            cases.append((f"terms mode=1 clip={use_clip} {dn} aligned", SHAPES["aligned"][2],
+                          lambda dt=dt, c=use_clip: terms("aligned", dt, 1, c, False, None)))
+        for use_clip, kl_ref, grad in itertools.product((False, True), (False, True), (None, "new", "inplace")):
+            cases.append((f"terms mode=2 clip={use_clip} kl_ref={kl_ref} grad={grad} {dn} aligned", True,
+                          lambda dt=dt, c=use_clip, k=kl_ref, g=grad: terms("aligned", dt, 2, c, k, g)))
+        for ent in (False, True):
+            cases.append((f"logprobs_fwd entropy={ent} {dn} aligned", True, lambda dt=dt, e=ent: fwd("aligned", dt, e)))
+        for inplace in (False, True):
+            cases.append((f"logprobs_bwd inplace={inplace} {dn} aligned", True,
+                          lambda dt=dt, i=inplace: bwd("aligned", dt, i)))
+        cases.append((f"scale_rows {dn} aligned", True, lambda dt=dt: scale("aligned", dt)))
+        # every specialisation-changing shape, main configurations
+        for sn, (_shape, _sl, aligned) in SHAPES.items():
+            if sn == "aligned":
+                continue
+            cases += [
+                (f"terms mode=1 clip=True {dn} {sn}", aligned, lambda dt=dt, s=sn: terms(s, dt, 1, True, False, None)),
+                (f"terms mode=2 clip=True kl_ref=True grad=new {dn} {sn}", aligned,
+                 lambda dt=dt, s=sn: terms(s, dt, 2, True, True, "new")),
+                (f"terms mode=2 clip=False kl_ref=False grad=inplace {dn} {sn}", aligned,
+                 lambda dt=dt, s=sn: terms(s, dt, 2, False, False, "inplace")),
+                (f"logprobs_fwd entropy=True {dn} {sn}", aligned, lambda dt=dt, s=sn: fwd(s, dt, True)),
+                (f"logprobs_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: bwd(s, dt, False)),
+                (f"scale_rows {dn} {sn}", aligned, lambda dt=dt, s=sn: scale(s, dt)),
+            ]
+    return cases
+
+
+def _all_kernels():
+    """Names of every ``@jit`` function in ``humanline_kernels.ops`` that no other one calls (the launchable ones)."""
+    import importlib
+    import pkgutil
+
+    import humanline_kernels.ops as pkg
+    fns = {}
+    for m in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"{pkg.__name__}.{m.name}")
+        fns.update({v.fn.__name__: v for v in vars(mod).values() if isinstance(v, JITFunction)})
+    called = {n for f in fns.values() for n in f.fn.__code__.co_names if n in fns}
+    return sorted(set(fns) - called)
+
+
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def _resources(ptx, arch):
+    """``(registers, stack, spill stores, spill loads)`` from ``ptxas -v`` on the variant's PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(arch) if get_ptxas.__code__.co_argcount else get_ptxas()
+    path = ptxas.path if hasattr(ptxas, "path") else ptxas[0]
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)  # sm_90a on Hopper: what Triton built
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([path, "-v", f"--gpu-name={target}", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+    return (int(_REGS.search(text).group(1)), *(int(g) for g in _FRAME.search(text).groups()))
+
+
+def _vector_loads(ptx):
+    """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``) in the PTX."""
+    return len(re.findall(r"ld\.global[.\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", type=int, required=True)
+    p.add_argument("--only", default=None, help="substring of the case names to run")
+    a = p.parse_args(argv)
+    compiled = []
+    _install(a.arch, compiled)
+    variants, failures, seen = [], [], set()
+    for name, aligned, call in _cases():
+        if a.only and a.only not in name:
+            continue
+        compiled.clear()
+        try:
+            call()
+        except Exception as e:  # a compile error: record and go on, so one run lists every failure
+            failures.append({"case": name, "error": f"{type(e).__name__}: {str(e)[-600:]}",
+                             "trace": traceback.format_exc()[-1500:]})
+            continue
+        for kname, kernel in compiled:
+            ptx = kernel.asm["ptx"]
+            key = (kname, hash(ptx))
+            if key in seen:
+                continue
+            seen.add(key)
+            regs, stack, spill_st, spill_ld = _resources(ptx, a.arch)
+            v = {"case": name, "kernel": kname, "registers": regs, "stack": stack, "spill_stores": spill_st,
+                 "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx, "vector_loads": _vector_loads(ptx),
+                 "aligned": aligned}
+            variants.append(v)
+            problems = []
+            if stack or spill_st or spill_ld or v["local_in_ptx"]:
+                problems.append("spills / local memory")
+            # the scale kernel reads only what it writes and the big loops are in the row kernels; every aligned
+            # variant of a kernel that streams a row must use 16-byte loads
+            if aligned and not v["vector_loads"]:
+                problems.append("no 16-byte global loads in an aligned variant")
+            if problems:
+                failures.append({"case": name, "kernel": kname, "error": "; ".join(problems), "resources": v})
+    print(json.dumps({"arch": a.arch, "triton": triton.__version__, "variants": variants, "failures": failures,
+                      "kernels": _all_kernels(), "compiled_kernels": sorted({v["kernel"] for v in variants})}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
