@@ -1,8 +1,10 @@
-"""``python -m bench SUITE [args]``: run one benchmark suite (logits, linear, sync), print a table, write JSON+PNG."""
+"""``python -m bench SUITE [args]``: run one benchmark suite (logits, linear, sync, host), print a table, write
+JSON+PNG; ``python -m bench gpu --out DIR`` checks and benchmarks everything on a GPU machine."""
 import importlib
 import sys
 
-SUITES = {"logits": "bench.bench_logits", "linear": "bench.bench_linear", "sync": "bench.bench_sync"}
+SUITES = {"logits": "bench.bench_logits", "linear": "bench.bench_linear", "sync": "bench.bench_sync",
+          "host": "bench.bench_host", "gpu": "bench.bench_gpu"}
 
 
 def main(argv=None):

@@ -91,10 +91,12 @@ def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None
         except Exception:
             return path
         fig, ax = plt.subplots(figsize=(7, 4))
-        for s in dict.fromkeys(r.get(series) for r in rows):
+        styles = [(m, ls) for ls in ("-", "--", ":") for m in ("o", "s", "^", "D")]  # tell 10+ series apart
+        for i, s in enumerate(dict.fromkeys(r.get(series) for r in rows)):
             pts = [(r[x], r[y]) for r in rows if r.get(series) == s and r.get(y) is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=str(s))
+                m, ls = styles[i % len(styles)]
+                ax.plot(*zip(*pts), marker=m, linestyle=ls, color=plt.cm.tab20(i % 20), label=str(s))
         ax.set_xlabel(x)
         ax.set_ylabel(y)
         ax.set_title(f"{name} ({env_info()['device']})")

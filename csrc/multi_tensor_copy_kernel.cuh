@@ -4,6 +4,7 @@
 // with 16-byte loads, and casts fp32/bf16/fp16 on the fly (round to nearest even, as torch's copy_ does).
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -65,6 +66,20 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+// One 16-byte source vector to target elements. A same-dtype copy moves the vector as it is: converting it element
+// by element made ptxas put the vector on the stack in the tail loop (16 bytes of spill per thread).
+template <typename S, typename D, int N>
+__device__ __forceinline__ Vec<typename D::raw, N> convert_vec(const Vec<typename S::raw, N>& in) {
+  if constexpr (std::is_same<S, D>::value) {
+    return in;
+  } else {
+    Vec<typename D::raw, N> out;
+#pragma unroll
+    for (int j = 0; j < N; ++j) out.v[j] = Convert<S, D>::f(in.v[j]);
+    return out;
+  }
+}
+
 template <typename S>
 struct Traits {
   static constexpr int kVec = 16 / sizeof(typename S::raw);  // elements per 16-byte source load
@@ -96,24 +111,17 @@ __global__ void __launch_bounds__(kThreads) multi_tensor_copy_kernel(const HK_GR
 #pragma unroll
       for (int k = 0; k < kIters; ++k) in[k] = vs[threadIdx.x + k * kThreads];
 #pragma unroll
-      for (int k = 0; k < kIters; ++k) {
-        Vec<DR, V> out;
-#pragma unroll
-        for (int j = 0; j < V; ++j) out.v[j] = Convert<S, D>::f(in[k].v[j]);
-        vd[threadIdx.x + k * kThreads] = out;
-      }
+      for (int k = 0; k < kIters; ++k) vd[threadIdx.x + k * kThreads] = convert_vec<S, D, V>(in[k]);
       return;
     }
     const int64_t nvec = len / V;
-    for (int64_t i = threadIdx.x; i < nvec; i += kThreads) {
-      const Vec<SR, V> in = vs[i];
-      Vec<DR, V> out;
-#pragma unroll
-      for (int j = 0; j < V; ++j) out.v[j] = Convert<S, D>::f(in.v[j]);
-      vd[i] = out;
-    }
+    // the tail loops run at most a few times per thread: kept rolled, their unrolled same-dtype versions spilled
+#pragma unroll 1
+    for (int64_t i = threadIdx.x; i < nvec; i += kThreads) vd[i] = convert_vec<S, D, V>(vs[i]);
+#pragma unroll 1
     for (int64_t i = nvec * V + threadIdx.x; i < len; i += kThreads) dst[i] = Convert<S, D>::f(src[i]);
   } else {
+#pragma unroll 1
     for (int64_t i = threadIdx.x; i < len; i += kThreads) dst[i] = Convert<S, D>::f(src[i]);
   }
 }

@@ -15,9 +15,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, args):
+def _entry(rank, fn, world_size, port, args, gpu=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
+    if not gpu:  # CPU ranks on gloo, also on a GPU machine (a second rank would ask for cuda:1)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
     try:

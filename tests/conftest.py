@@ -1,10 +1,10 @@
 """Test configuration.
 
-CPU tensors go through the Triton interpreter (``TRITON_INTERPRET=1``, read by the dispatch at call time); CUDA
-tensors always go through the compiled kernels, whatever that variable says (``humanline_kernels.ops._jit``).
-Without CUDA the variable is set for the whole run (spawned processes inherit it). With CUDA it is set for each
-test not marked ``gpu`` and removed for the ``gpu`` tests, so that third-party Triton kernels (Liger, Inductor)
-decorated during a GPU test are compiled too. GPU-only tests skip without CUDA.
+CPU tensors go through the Triton interpreter, CUDA tensors through the compiled kernels, whatever
+``TRITON_INTERPRET`` says (``humanline_kernels.ops._jit``; tests that set the variable to 0 take the eager path).
+Without CUDA the variable is set for the whole run (spawned processes inherit it). With CUDA it stays unset --
+Triton would build other libraries' kernels (Inductor's helpers, Liger) as interpreted ones too -- and the
+package's default for CPU tensors is switched to the interpreter instead. GPU-only tests skip without CUDA.
 """
 import os
 
@@ -14,6 +14,14 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    import humanline_kernels.ops as _ops
+
+    _ops.INTERPRET_CPU_DEFAULT = True
+    try:  # decorate Inductor's Triton helpers now, compiled, before a test sets TRITON_INTERPRET=1 for a while
+        import torch._inductor.runtime.triton_helpers  # noqa: F401
+    except Exception:  # pragma: no cover
+        pass
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,16 +31,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _interpret_env(request, monkeypatch):
-    if HAS_CUDA:
-        if "gpu" in request.keywords:
-            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        else:
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
 
 
 @pytest.fixture

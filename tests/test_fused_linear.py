@@ -198,7 +198,7 @@ def test_autocast_runs_the_gemm_in_the_autocast_dtype():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,kw", [LOSSES[0], LOSSES[1], LOSSES[4], LOSSES[5]], ids=["dapo", "grpo", "dpo", "kto"])
-def test_cuda_bf16_matches_reference(name, kw):
+def test_cuda_bf16_matches_reference(name, kw, compiled_kernels):
     h, w, b, y, ref, g = _case(B=6, T=33, D=64, V=1000, dtype=torch.bfloat16, seed=3)
     h, w, b = (t.detach().cuda().requires_grad_() for t in (h, w, b))
     ours, refs = _run(name, kw, h, w, b, y.cuda(), ref.cuda(), g, chunk_bytes=50 * 1000 * 2, clip=CLIP)

@@ -196,7 +196,7 @@ def test_compile_fullgraph_step():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gif", [False, True])
-def test_gpu_compile_inductor_and_large_vocab(gif):
+def test_gpu_compile_inductor_and_large_vocab(gif, compiled_kernels):
     V = 151936
     x = torch.randn(4, 33, V, device="cuda", dtype=torch.bfloat16) * 2
     y = torch.randint(0, V, (4, 32), device="cuda")

@@ -19,7 +19,8 @@ def _free_port():
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+    os.environ.update(CUDA_VISIBLE_DEVICES="",  # CPU ranks on gloo, also on a GPU machine
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="1")
     import copy
 
@@ -83,7 +84,8 @@ def test_callback_ddp_gloo_world2(tmp_path):
 
 def _trainer_worker(rank, world, port, out_dir):
     """HumanlineKTOTrainer (KL baseline all-reduced inside the loss) and HumanlineDPOTrainer under DDP."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+    os.environ.update(CUDA_VISIBLE_DEVICES="",  # CPU ranks on gloo, also on a GPU machine
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="1")
     spec = importlib.util.spec_from_file_location(
         "hk_trl_tests", os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_integrations_trl.py"))

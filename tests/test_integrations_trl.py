@@ -129,7 +129,7 @@ def test_grpo_off_matches_trl(tiny_path, fused, loss_type):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", ["logits", "linear"])
-def test_dpo_off_matches_trl_cuda(tiny_path, fused):
+def test_dpo_off_matches_trl_cuda(tiny_path, fused, compiled_kernels):
     """On CUDA the fused paths run the Triton kernels (fp32 model: TRL parity to 1e-4, reduction order differs)."""
     tok = tiny.tiny_tokenizer()
     kw = dict(COMMON, use_cpu=False, output_dir=tiny_path + "/o", per_device_train_batch_size=3, max_steps=1)
@@ -143,3 +143,18 @@ def test_dpo_off_matches_trl_cuda(tiny_path, fused):
             p.add_(0.05 * torch.randn_like(p))
             q.copy_(p)
     _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs), tol=1e-4)
+
+
+def test_model_id_or_path_with_peft_installed(tiny_path):
+    """A model given by path (as most users do) with peft installed: accelerate's is_peft_model must not be asked
+    about a str (it walked it as a module: AttributeError '_modules'). A PeftModel is still refused with humanline
+    on (its reference would be the adapter-disabled policy, which is not humanline)."""
+    peft = pytest.importorskip("peft")
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, output_dir=tiny_path + "/peft", per_device_train_batch_size=2, max_steps=1)
+    trainer = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw), train_dataset=pref_data(),
+                                  processing_class=tok)
+    assert trainer.ref_model is not None and not isinstance(trainer.model, peft.PeftModel)
+    lora = peft.get_peft_model(tiny.tiny_model(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="humanline needs a separate reference model"):
+        HumanlineDPOTrainer(lora, args=HumanlineDPOConfig(**kw), train_dataset=pref_data(), processing_class=tok)

@@ -146,7 +146,7 @@ def test_property_random_shapes(B, T, V, temp, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("V", [128256, 262144])
-def test_gpu_large_vocab(V):
+def test_gpu_large_vocab(V, compiled_kernels):
     x = torch.randn(2, 65, V, device="cuda", dtype=torch.bfloat16) * 3
     y = torch.randint(0, V, (2, 64), device="cuda")
     g = torch.randn(2, 64, device="cuda")
@@ -160,7 +160,7 @@ def test_gpu_large_vocab(V):
 
 
 @pytest.mark.gpu
-def test_gpu_int64_offsets():
+def test_gpu_int64_offsets(compiled_kernels):
     """N * V > 2^31 elements (about 4.3 GiB of bf16 logits)."""
     V, N = 151936, 14200
     x = torch.randn(1, N, V, device="cuda", dtype=torch.bfloat16)

@@ -121,7 +121,9 @@ def _precheck_common(name, args, model, peft_config, humanline):
         _refuse(args.sync_ref_model,
                 f"{name}: sync_ref_model=True (TR-DPO, syncs after the update) conflicts with humanline syncing "
                 "(before the update, every sync_every steps). Set sync_ref_model=False.")
-        _refuse(peft_config is not None or is_peft_model(model),
+        # a model id or path (str) is loaded by TRL later and is never a PEFT model; accelerate's is_peft_model
+        # would walk it as a module when peft is installed
+        _refuse(peft_config is not None or (isinstance(model, torch.nn.Module) and is_peft_model(model)),
                 f"{name}: humanline needs a separate reference model to sync into; under PEFT the reference is the "
                 "adapter-disabled policy. Train without PEFT or set humanline=False.")
     _refuse(getattr(args, "padding_free", False), f"{name}: padding_free=True is not supported")

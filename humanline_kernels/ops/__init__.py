@@ -31,15 +31,24 @@ def triton_available() -> bool:
     return _TRITON
 
 
+# CPU tensors take the interpreted kernels when TRITON_INTERPRET=1 (read at call time); while the variable is unset,
+# this default decides. A GPU machine's test suite sets it instead of the variable, which would also make Triton
+# build other libraries' kernels (Inductor's, Liger's) as interpreted ones.
+INTERPRET_CPU_DEFAULT = False
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when ``t`` should go through the Triton kernels: compiled for CUDA tensors, interpreted for CPU
-    tensors under ``TRITON_INTERPRET=1`` (read at call time; see :mod:`._jit`)."""
+    tensors under ``TRITON_INTERPRET=1`` (see :mod:`._jit`)."""
     if not triton_available():
         return False
     from ._jit import COMPILED_DEVICES
     if t.device.type in COMPILED_DEVICES:
         return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if t.device.type != "cpu":
+        return False
+    flag = os.environ.get("TRITON_INTERPRET")
+    return flag == "1" if flag is not None else INTERPRET_CPU_DEFAULT
 
 
 def _eager(name):
@@ -115,8 +124,12 @@ def grpo_row_weights(mask, *, loss_type, normalizer=None, max_completion_length=
     B, T = mask.shape
     f = mask.to(torch.float32)
     if loss_type in ("dapo", "bnpo"):
-        den = f.sum().clamp(min=1) if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32,
-                                                                             device=mask.device).reshape(())
+        if normalizer is None:
+            den = f.sum().clamp(min=1)
+        elif isinstance(normalizer, torch.Tensor):
+            den = normalizer.to(torch.float32).reshape(())
+        else:  # a fill, not a host-to-device copy (which a CUDA graph capture refuses)
+            den = torch.full((), float(normalizer), dtype=torch.float32, device=mask.device)
         return (1.0 / den).expand(B).contiguous()
     if loss_type == "grpo":
         row_n = f.sum(1)

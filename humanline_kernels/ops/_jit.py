@@ -31,17 +31,19 @@ def jit(fn=None, **kwargs):
 
 def interpreted(kernel: JITFunction):
     """The interpreted twin of a ``@jit`` function (cached; its ``@jit`` callees are interpreted as well)."""
-    twin = _INTERPRETED.get(kernel)
-    if twin is not None:
-        return twin
+    # keyed by id: a JITFunction's hash parses its source, which fails while the interpreter patches triton.language
+    hit = _INTERPRETED.get(id(kernel))
+    if hit is not None:
+        return hit[1]
     from triton.runtime.interpreter import InterpretedFunction
 
-    _patch_interpreter_index()
+    _patch_interpreter()
     fn = kernel.fn
     scope = dict(fn.__globals__)  # the interpreter writes its own names into the globals it runs with
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-    twin = _INTERPRETED[kernel] = InterpretedFunction(copy)
+    twin = InterpretedFunction(copy)
+    _INTERPRETED[id(kernel)] = (kernel, twin)  # the kernel is kept so that its id is not reused
     for name, value in list(scope.items()):
         if isinstance(value, JITFunction):
             scope[name] = interpreted(value)
@@ -64,29 +66,54 @@ def count_eager(name: str) -> None:
 _PATCHED = False
 
 
-def _patch_interpreter_index():
-    """Triton <= 3.6's interpreter turns a scalar kernel argument (a 1-element array) into a Python int with
-    ``int(array)``, which NumPy >= 2.4 refuses for arrays of one dimension (``range(0, V, BLOCK)`` then fails).
-    Give its tensors an ``__index__`` that takes the one element; only when this NumPy refuses."""
+def _patch_interpreter():
+    """Two gaps of Triton's interpreter when it runs next to compiled kernels, closed for the run of each
+    interpreted kernel (through the interpreter's own patch scope, restored after the launch):
+
+    * Triton's standard library (``tl.max``, ``tl.sum``, ...) is made of ``@jit`` functions, interpreted only when
+      ``TRITON_INTERPRET=1`` was set before ``import triton``; on a GPU machine they are compiled-kind objects, which
+      an interpreted kernel cannot call. Each is replaced by its interpreted twin.
+    * Triton <= 3.6 turns a scalar kernel argument (a 1-element array) into a Python int with ``int(array)``,
+      which NumPy >= 2.4 refuses for arrays of one dimension (``range(0, V, BLOCK)`` then fails). Its tensors get
+      an ``__index__`` that takes the one element.
+    """
     global _PATCHED
     if _PATCHED:
         return
     _PATCHED = True
     import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+    from triton.runtime import jit as _rt_jit
+
+    # Triton 3.9 imports its Gluon modules on the first argument specialisation, and they assert that
+    # triton.language holds compiled-kind functions: trigger that import now, before any patching
+    _rt_jit.mangle_type(1)
+
+    stdlib = [(mod, name, value) for mod in {tl, tl.core, tl.standard, tl.math}
+              for name, value in list(vars(mod).items()) if isinstance(value, JITFunction)]
+    stdlib = [(mod, name, interpreted(value)) for mod, name, value in stdlib]  # built now, outside any patching
+    original_lang = interp._patch_lang
+
+    def patch_lang(fn):
+        scope = original_lang(fn)
+        for mod, name, twin in stdlib:
+            scope.set_attr(mod, name, twin)
+        return scope
+
+    interp._patch_lang = patch_lang
     try:
         int(np.array([1]))
         return
     except TypeError:
         pass
-    from triton.runtime import interpreter as interp
+    original_tensor = interp._patch_lang_tensor
 
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
+    def patch_tensor(tensor, scope):
+        original_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(_one(self.handle.data)))
 
-    interp._patch_lang_tensor = patched
+    interp._patch_lang_tensor = patch_tensor
 
 
 def _one(a):

@@ -108,7 +108,7 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
     adv = ref if advantages is None else advantages.to(torch.float32).contiguous()
     w = ref if row_weight is None else row_weight.to(torch.float32).contiguous()
     g = grad_out if grad else logits
-    block, warps = block_config(V, dev)
+    block, warps = block_config(logits)
     with device_guard(logits):
         launcher(_token_terms_kernel, logits)[(B * T,)](
             logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1), ref, klr, adv,

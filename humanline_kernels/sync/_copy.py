@@ -39,7 +39,7 @@ def load_extension(build: bool = True):
     try:
         from torch.utils.cpp_extension import load
         _ext = load(name="humanline_sync_cuda", sources=[os.path.abspath(src)],
-                    extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
+                    extra_cuda_cflags=["-O3"], verbose=False)
     except Exception as e:  # no nvcc/ninja, incompatible toolkit: the fallback is correct, only slower
         warnings.warn(f"humanline_kernels: could not JIT-build the sync copy kernel ({type(e).__name__}: {e}); "
                       "using torch._foreach_copy_", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,252 @@
+"""One command for a GPU machine: check everything, then benchmark it.
+
+``python -m bench gpu --out DIR [--skip STAGE ...] [--n N] [--vocab V] [--d D]``
+
+Stages, in order (each one's output goes to ``DIR/gpu.log``; a failing stage is reported and the next one runs):
+
+1. ``tests``: the GPU tests (``pytest -m gpu``: compiled kernels, asserted to be the path that ran);
+2. ``parity``: every fused path against ``hk.reference`` at N = 8192, V = 128256, bf16 -- ``token_logprobs``, GRPO
+   (clip on and off, each ``loss_type``, gradient in the forward, in place), DPO, KTO, fused linear at D = 4096 --
+   with DESIGN.md's tolerances (log-probs 2e-3 absolute, loss 2e-3, gradients 1e-2 relative norm);
+3. ``demo``: ``python -m humanline_kernels.demo --device cuda``;
+4. ``host``, ``logits``, ``linear``, ``sync``: the benchmarks (``python -m bench NAME``), JSON and PNG into DIR.
+
+Writes ``DIR/gpu.json`` (environment, every stage's status and numbers) and prints a short table last, with the
+peers that ran. Made to finish in under 9 minutes on one H100.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from . import common
+
+STAGES = ("tests", "parity", "demo", "host", "logits", "linear", "sync")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, s):
+        for st in self.streams:
+            st.write(s)
+            st.flush()
+        return len(s)
+
+
+def _sub(cmd, log, timeout):
+    """Run ``cmd`` (list) from the repository root, streaming its output into the log; returns (rc, tail)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    tail = []
+    t0 = time.time()
+    try:
+        for line in p.stdout:
+            log.write(line)
+            tail = (tail + [line.rstrip()])[-15:]
+            if time.time() - t0 > timeout:
+                p.kill()
+                tail.append(f"killed after {timeout} s")
+                break
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    return p.returncode, tail
+
+
+# ------------------------------------------------------------------------------------------------------ parity
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def parity(N, V, D):
+    """Every fused path against hk.reference at one big shape; returns rows with errors and a pass flag."""
+    import humanline_kernels as hk
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    B = 8
+    T = N // B
+    x = (torch.randn(B, T, V, device=dev, generator=g) * 2).to(bf)
+    y = torch.randint(0, V, (B, T), device=dev, generator=g)
+    y[:, : T // 8] = -100
+    y[-1] = -100  # an all-ignored row
+    with torch.no_grad():
+        lp_true = hk.reference.token_logprobs(x.float(), y)
+    ref = torch.where(y != -100, lp_true + 0.8 * torch.randn(B, T, device=dev, generator=g), 0.0)
+    adv = torch.randn(B, device=dev, generator=g)
+    des = torch.arange(B, device=dev) % 2 == 0
+    mask = y != -100
+    rows = []
+
+    def check(name, loss_fn, ref_fn, wrt_bf, *, logp=False, logp_tol=2e-3):
+        """loss_fn(leaf) -> (loss or logp); ref_fn(leaf_f32) -> same from the reference; gradients compared."""
+        leaf = wrt_bf.detach().clone().requires_grad_()
+        out = loss_fn(leaf)
+        leaf_r = wrt_bf.detach().float().requires_grad_()
+        out_r = ref_fn(leaf_r)
+        if logp:
+            w = torch.randn(out.shape, device=dev, generator=g)
+            gk, = torch.autograd.grad((out * w).sum(), leaf)
+            gr, = torch.autograd.grad((out_r * w).sum(), leaf_r)
+            err = (out - out_r).abs().max().item()
+            tol = logp_tol
+        else:
+            gk, = torch.autograd.grad(out, leaf)
+            gr, = torch.autograd.grad(out_r, leaf_r)
+            err = abs(out.item() - out_r.item())
+            tol = 2e-3 + 1e-3 * abs(out_r.item())
+        gerr = _rel(gk, gr)
+        ok = err <= tol and gerr <= 1e-2
+        rows.append({"case": name, "value_err": err, "value_tol": tol, "grad_rel_err": gerr, "ok": ok})
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}: value err {err:.3g} (tol {tol:.3g}), grad rel err {gerr:.3g}",
+              flush=True)
+        del leaf, leaf_r, gk, gr
+        torch.cuda.empty_cache()
+
+    clip = hk.HumanlineClip()
+    check("token_logprobs", lambda z: hk.token_logprobs(z, y), lambda z: hk.reference.token_logprobs(z, y), x,
+          logp=True)
+    for c in (clip, None):
+        tag = "clip" if c else "noclip"
+        for lt in ("dapo", "bnpo", "grpo", "dr_grpo"):
+            kw = dict(clip=c, loss_type=lt, beta=0.04)
+            check(f"fused.grpo {lt} {tag}", lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, **kw)[0],
+                  lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
+        kw = dict(clip=c, beta=0.04)
+        check(f"fused.grpo grad_in_forward {tag}",
+              lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, grad_in_forward=True, **kw)[0],
+              lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
+        check(f"fused.grpo grad_in_forward inplace {tag}",
+              lambda z, kw=kw: hk.fused.grpo(z * 1, y, ref, adv, grad_in_forward=True, inplace_backward=True,
+                                             **kw)[0],
+              lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
+        check(f"fused.dpo {tag}", lambda z, c=c: hk.fused.dpo(z, y, ref, clip=c)[0],
+              lambda z, c=c: hk.reference.dpo(hk.reference.token_logprobs(z, y), ref, mask, clip=c)[0], x)
+        check(f"fused.dpo inplace {tag}", lambda z, c=c: hk.fused.dpo(z * 1, y, ref, clip=c, inplace_backward=True)[0],
+              lambda z, c=c: hk.reference.dpo(hk.reference.token_logprobs(z, y), ref, mask, clip=c)[0], x)
+        kl = (ref[:2] - 0.1, ref[:2], mask[:2])
+        check(f"fused.kto {tag}", lambda z, c=c: hk.fused.kto(z, y, ref, des, *kl, clip=c)[0],
+              lambda z, c=c: hk.reference.kto(hk.reference.token_logprobs(z, y), ref, mask, des, *kl, clip=c)[0], x)
+    del x
+    torch.cuda.empty_cache()
+    h = torch.randn(B, T, D, device=dev, generator=g).to(bf)
+    w = (torch.randn(V, D, device=dev, generator=g) * D ** -0.5).to(bf)
+    # fused linear: hidden [B, T, D], weight [V, D]. The reference's logits are those of a bf16 lm_head (F.linear
+    # in bf16, then fp32). Unrounded fp32 logits differ from any bf16 model's by up to half a bf16 ulp (the first
+    # H100 run: log-prob error 7.8e-3), and even a bf16 GEMM over other tiles rounds a few logits the other way,
+    # so the log-prob tolerance here is one bf16 ulp of the largest logit (the gradients keep 1e-2).
+    def logits(ww):
+        return torch.nn.functional.linear(h, ww.to(bf)).float()
+
+    with torch.no_grad():
+        z0 = logits(w)
+        lp_lin = hk.reference.token_logprobs(z0, y)
+        ulp = 2.0 ** (int(torch.floor(torch.log2(z0.abs().max())).item()) - 7)
+    del z0
+    ref_l = torch.where(mask, lp_lin + 0.8 * torch.randn(B, T, device=dev, generator=g), 0.0)
+
+    def lin_ref(name, ww, **kw):
+        lp = hk.reference.token_logprobs(logits(ww), y)
+        if name == "grpo":
+            return hk.reference.grpo(lp, ref_l, adv, mask, **kw)[0]
+        if name == "dpo":
+            return hk.reference.dpo(lp, ref_l, mask, **kw)[0]
+        return hk.reference.kto(lp, ref_l, mask, des, **kw)[0]
+
+    args = {"grpo": (ref_l, adv), "dpo": (ref_l,), "kto": (ref_l, des)}
+    for name in ("grpo", "dpo", "kto"):
+        check(f"fused_linear.{name} D={D} (grad wrt weight)",
+              lambda ww, n=name: getattr(hk.fused_linear, n)(h, ww, y, *args[n])[0],
+              lambda ww, n=name: lin_ref(n, ww), w)
+    check(f"fused_linear.token_logprobs D={D} (grad wrt weight)", lambda ww: hk.fused_linear.token_logprobs(h, ww, y),
+          lambda ww: hk.reference.token_logprobs(logits(ww), y), w, logp=True, logp_tol=max(2e-3, ulp))
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def _env():
+    info = common.env_info()
+    try:
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        info["driver"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
+                    memory_GiB=round(p.total_memory / 2**30, 1))
+    return info
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="directory for gpu.log, gpu.json and the benchmarks' JSON/PNG")
+    p.add_argument("--skip", nargs="*", default=[], choices=STAGES, help="stages to leave out")
+    p.add_argument("--n", type=int, default=8192, help="tokens of the parity checks (default 8192)")
+    p.add_argument("--vocab", type=int, default=128256, help="vocabulary of the parity checks (default 128256)")
+    p.add_argument("--d", type=int, default=4096, help="hidden size of the fused-linear parity check (default 4096)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device (this machine has none); the CPU smoke runs are `python -m bench NAME --quick`")
+    if a.n % 16:
+        p.error("--n must be a multiple of 16")
+    os.makedirs(a.out, exist_ok=True)
+    logf = open(os.path.join(a.out, "gpu.log"), "w")
+    log = _Tee(sys.stdout, logf)
+    report = {"env": _env(), "stages": {}}
+    log.write(json.dumps(report["env"]) + "\n")
+    py = sys.executable
+    budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "linear": 150, "sync": 120}
+    cmds = {
+        "tests": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        "demo": [py, "-m", "humanline_kernels.demo", "--device", "cuda"],
+        "host": [py, "-m", "bench", "host", "--out", a.out],
+        "logits": [py, "-m", "bench", "logits", "--out", a.out, "--vocab", "32000", "128256", "151936"],
+        "linear": [py, "-m", "bench", "linear", "--out", a.out, "--chunk-mib", "512", "1024"],
+        "sync": [py, "-m", "bench", "sync", "--out", a.out, "--gemms", "40"],
+    }
+    t_all = time.time()
+    for i, stage in enumerate(STAGES):
+        if stage in a.skip:
+            continue
+        log.write(f"\n=== [{i + 1}/{len(STAGES)}] {stage} ({time.time() - t_all:.0f} s so far)\n")
+        t0 = time.time()
+        if stage == "parity":
+            try:
+                with contextlib.redirect_stdout(log):
+                    rows = parity(a.n, a.vocab, a.d)
+                ok = all(r["ok"] for r in rows)
+                res = {"ok": ok, "rows": rows, "summary": f"{sum(r['ok'] for r in rows)}/{len(rows)} within tolerance"}
+            except Exception as e:  # report and go on to the benchmarks
+                res = {"ok": False, "summary": f"{type(e).__name__}: {str(e)[:300]}"}
+        else:
+            rc, tail = _sub(cmds[stage], log, budgets[stage])
+            res = {"ok": rc == 0, "rc": rc, "summary": tail[-1] if tail else ""}
+        res["seconds"] = round(time.time() - t0, 1)
+        report["stages"][stage] = res
+        torch.cuda.empty_cache()
+    report["seconds"] = round(time.time() - t_all, 1)
+    report["peers"] = {k: report["env"].get(k) for k in ("liger_kernel", "trl", "quack", "cut_cross_entropy")}
+    with open(os.path.join(a.out, "gpu.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    log.write(f"\n=== bench gpu on {report['env']['device']} (torch {report['env']['torch']}, triton "
+              f"{report['env']['triton']}, driver {report['env'].get('driver')}), {report['seconds']:.0f} s\n")
+    for stage, res in report["stages"].items():
+        log.write(f"{stage:8s} {'ok  ' if res['ok'] else 'FAIL'} {res['seconds']:6.1f} s  {res['summary']}\n")
+    ran = [k for k, v in report["peers"].items() if v]
+    log.write(f"peers: ran {', '.join(ran) or 'none'}; not installed: "
+              f"{', '.join(k for k, v in report['peers'].items() if not v) or 'none'}\n")
+    log.write(f"wrote {os.path.join(a.out, 'gpu.json')}, gpu.log and the benchmarks' JSON/PNG\n")
+    logf.close()
+    return 0 if all(r["ok"] for r in report["stages"].values()) else 1

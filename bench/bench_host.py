@@ -1,0 +1,125 @@
+"""Host cost of one loss call: kernel launches, CPU enqueue time and GPU time, forward + backward.
+
+``python -m bench host [--quick] [--out DIR] [--n N] [--vocab V] [--d D]``
+
+For each logits-level loss (and ``token_logprobs``) at ``N`` tokens x ``V`` (default 8192 x 32000, bf16) and each
+fused-linear loss at ``D`` (default 2048): the number of device kernels one forward + backward launches (torch
+profiler, CUDA kernel events), the CPU time to enqueue it (wall time of the call with the GPU kept busy beforehand,
+so the host never waits; median), and the GPU time (``do_bench`` median). DESIGN.md's host target: launches <= 8
+(logits) or <= 3 per chunk + 6 (fused linear), CPU time <= half the GPU time. ``--quick``: a CPU smoke run of the
+harness (eager paths; launch counts are then aten ops, not kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from . import common
+
+
+def _calls(N, V, D, device, dtype):
+    import humanline_kernels as hk
+    g = torch.Generator(device=device).manual_seed(0)
+    B = 8
+    T = N // B
+    x = (torch.randn(B, T, V, device=device, generator=g) * 2).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (B, T), device=device, generator=g)
+    y[:, : T // 8] = -100
+    ref = torch.randn(B, T, device=device, generator=g) - 10.0
+    adv = torch.randn(B, device=device, generator=g)
+    des = torch.arange(B, device=device) % 2 == 0
+    h = torch.randn(B, T, D, device=device, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, D, device=device, generator=g) * D ** -0.5).to(dtype).requires_grad_()
+    kw = dict(validate=False)
+
+    def grad(loss, wrt):
+        return torch.autograd.grad(loss, wrt)
+
+    calls = {
+        "token_logprobs": lambda: grad(hk.token_logprobs(x, y, **kw).sum(), x),
+        "fused.grpo": lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, **kw)[0], x),
+        "fused.grpo(grad_in_fwd)": lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, grad_in_forward=True,
+                                                              **kw)[0], x),
+        "fused.dpo": lambda: grad(hk.fused.dpo(x, y, ref, **kw)[0], x),
+        "fused.kto": lambda: grad(hk.fused.kto(x, y, ref, des, ref[:2], ref[:2] - 0.1, y[:2] != -100, **kw)[0], x),
+        "fused.grpo(validate=True)": lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04)[0], x),
+        "fused_linear.grpo": lambda: grad(hk.fused_linear.grpo(h, w, y, ref, adv, **kw)[0], (h, w)),
+        "fused_linear.dpo": lambda: grad(hk.fused_linear.dpo(h, w, y, ref, **kw)[0], (h, w)),
+        "fused_linear.kto": lambda: grad(hk.fused_linear.kto(h, w, y, ref, des, **kw)[0], (h, w)),
+    }
+    chunk_rows = max(1, (512 << 20) // (V * x.element_size()))
+    chunks = {"fused_linear.grpo": -(-N // chunk_rows), "fused_linear.dpo": -(-(B // 2) // max(1, chunk_rows // (2 * T))),
+              "fused_linear.kto": -(-B // max(1, chunk_rows // T))}
+    return calls, chunks
+
+
+def _count_launches(fn, device):
+    """Kernel launches of one call: CUDA kernel events of the torch profiler (aten ops on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    if device == "cuda":
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def _cpu_ms(fn, device, reps=30):
+    """Median wall time of enqueueing ``fn`` while the GPU is still busy with earlier work (so no wait shows)."""
+    big = torch.randn(4096, 4096, device=device) if device == "cuda" else None
+    times = []
+    for _ in range(reps):
+        if big is not None:
+            torch.cuda.synchronize()
+            for _ in range(20):  # ~ several ms of queued GEMMs ahead of the call
+                big @ big
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def run(N, V, D, *, quick, out_dir):
+    device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    calls, chunks = _calls(N, V, D, device, dtype)
+    rows = []
+    for i, (name, fn) in enumerate(calls.items()):
+        print(f"[host {i + 1}/{len(calls)}] {name}", flush=True)
+        fn()  # warm-up: compile, allocator
+        launches = _count_launches(fn, device)
+        gpu = common.time_ms(fn, warmup=5 if quick else 25, rep=10 if quick else 100)
+        cpu = _cpu_ms(fn, device, reps=3 if quick else 30)
+        budget = 3 * chunks[name] + 6 if name in chunks else 8
+        rows.append({"impl": name, "N": N, "V": V, "D": D if name in chunks else None, "launches": launches,
+                     "launch_budget": budget, "cpu_ms": cpu, "gpu_ms": gpu, "cpu_over_gpu": cpu / gpu,
+                     "meets_host_target": launches <= budget and cpu <= 0.5 * gpu})
+    meta = {"N": N, "V": V, "D": D, "dtype": str(dtype).replace("torch.", ""), "device": device,
+            "what": "forward + backward of one call; launches = CUDA kernels (aten ops on CPU)"}
+    return common.save("host" + ("_quick" if quick else ""), rows, meta, out_dir)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench host", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny CPU smoke of the harness")
+    p.add_argument("--out", default=os.path.join("bench", "out"))
+    p.add_argument("--n", type=int, default=None, help="tokens (default 8192; 64 with --quick)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32000; 500 with --quick)")
+    p.add_argument("--d", type=int, default=None, help="hidden size of the fused-linear calls (default 2048)")
+    a = p.parse_args(argv)
+    N = a.n or (64 if a.quick else 8192)
+    V = a.vocab or (500 if a.quick else 32000)
+    D = a.d or (32 if a.quick else 2048)
+    if N % 16:
+        p.error("--n must be a multiple of 16 (8 rows, DPO pairs)")
+    path = run(N, V, D, quick=a.quick, out_dir=a.out)
+    print(f"wrote {path}")
+    return 0

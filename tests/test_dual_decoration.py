@@ -1,0 +1,50 @@
+"""Kernels are decorated twice (``humanline_kernels.ops._jit``): a GPU machine imports Triton without
+``TRITON_INTERPRET`` (so Triton's own ``tl.max``/``tl.sum`` are compiled-kind objects) and still runs the
+interpreted twins for CPU tensors. That set-up is reproduced here in a child process, on CPU."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHILD = r"""
+import json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton, triton.language as tl, torch
+from triton.runtime.jit import JITFunction
+import humanline_kernels as hk
+from humanline_kernels import ops
+from humanline_kernels.ops import _jit
+assert isinstance(tl.max, JITFunction)  # Triton's standard library in compiled form, as on a GPU machine
+ops.INTERPRET_CPU_DEFAULT = True  # what tests/conftest.py does on a GPU machine
+g = torch.Generator().manual_seed(0)
+x = torch.randn(3, 5, 300, generator=g, requires_grad=True)
+y = torch.randint(0, 300, (3, 5), generator=g)
+ref = torch.randn(3, 5, generator=g) - 5.0
+adv = torch.randn(3, generator=g)
+errs = {}
+lp = hk.token_logprobs(x, y)
+errs["logp"] = (lp - hk.reference.token_logprobs(x, y)).abs().max().item()
+loss = hk.fused.grpo(x, y, ref, adv, beta=0.04, grad_in_forward=True)[0]
+xr = x.detach().requires_grad_()
+lr = hk.reference.grpo(hk.reference.token_logprobs(xr, y), ref, adv, y != -100, beta=0.04)[0]
+errs["grpo"] = abs(loss.item() - lr.item())
+errs["grad"] = (torch.autograd.grad(loss, x)[0] - torch.autograd.grad(lr, xr)[0]).abs().max().item()
+print(json.dumps({"errs": errs, "paths": sorted({p for p, _ in _jit.LAUNCHES}),
+                  "tl_max_restored": isinstance(tl.max, JITFunction)}))
+"""
+
+
+def test_interpreted_twins_run_when_triton_was_imported_for_the_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["paths"] == ["interpreted"], res
+    assert res["tl_max_restored"], "the interpreter's patches leaked out of the launch"
+    assert all(v < 1e-4 for v in res["errs"].values()), res

@@ -1,0 +1,63 @@
+"""The sdist carries what building and testing need (csrc, tests with their helpers, docs, examples, LICENSE), and
+the wheel carries the package and its license; both built here from this checkout (``python -m build``)."""
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("build")
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src")
+    out = tmp_path_factory.mktemp("dist")
+    # build from a copy: the build writes egg-info and build/ next to the sources
+    shutil.copytree(ROOT, src / "p", ignore=shutil.ignore_patterns(".git", "*.egg-info", "build", "dist",
+                                                                    "__pycache__", ".whl", ".gl", "out"))
+    env = {**os.environ, "HUMANLINE_NO_CUDA_EXT": "1"}
+    r = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src / "p")],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    with tarfile.open(sdist) as t:
+        sdist_names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    with zipfile.ZipFile(wheel) as z:
+        wheel_names = set(z.namelist())
+        meta = next(z.read(n).decode() for n in wheel_names if n.endswith(".dist-info/METADATA"))
+    return sdist_names, wheel_names, meta, r.stdout + r.stderr
+
+
+def test_sdist_has_everything_to_build_and_test(dists):
+    names = dists[0]
+    need = ["LICENSE", "README.md", "CHANGELOG.md", "CITATION.cff", "pyproject.toml", "setup.py", "MANIFEST.in",
+            "csrc/multi_tensor_copy.cu", "csrc/multi_tensor_copy_kernel.cuh", "tests/conftest.py", "tests/_dist.py",
+            "tests/compile_gate.py", "tests/test_fused_losses.py", "docs/kernels.md", "examples/tiny.py",
+            "examples/data/toy_preferences.jsonl", "humanline_kernels/ops/_jit.py", "bench/bench_gpu.py"]
+    missing = [n for n in need if n not in names]
+    assert not missing, missing
+    # every test helper a test module imports travels with it
+    for mod in ("_dist", "compile_gate", "test_fused_losses"):
+        assert f"tests/{mod}.py" in names
+    assert not any(n.startswith(("bench/out/", "bench/results/")) or "__pycache__" in n for n in names)
+
+
+def test_wheel_has_the_package_and_its_license(dists):
+    names, meta = dists[1], dists[2]
+    for mod in ("__init__", "reference", "losses", "fused", "fused_linear", "ops/_jit", "ops/logprobs",
+                "ops/losses_kernels", "sync/_syncer", "integrations/trl"):
+        assert f"humanline_kernels/{mod}.py" in names, mod
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert not any(n.startswith(("tests/", "bench/")) for n in names)
+    assert "License-Expression: Apache-2.0" in meta
+    assert "Requires-Dist: torch>=2.11" in meta
+
+
+def test_build_has_no_license_deprecation_warning(dists):
+    assert "project.license` as a TOML table is deprecated" not in dists[3]
