@@ -191,7 +191,8 @@ def _env():
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="directory for gpu.log, gpu.json and the benchmarks' JSON/PNG")
+    p.add_argument("--out", default=os.path.join("bench", "out"),
+                   help="directory for gpu.log, gpu.json and the benchmarks' JSON/PNG (default bench/out)")
     p.add_argument("--skip", nargs="*", default=[], choices=STAGES, help="stages to leave out")
     p.add_argument("--n", type=int, default=8192, help="tokens of the parity checks (default 8192)")
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary of the parity checks (default 128256)")

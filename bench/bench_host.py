@@ -52,7 +52,8 @@ def _calls(N, V, D, device, dtype):
         "fused_linear.kto": lambda: grad(hk.fused_linear.kto(h, w, y, ref, des, **kw)[0], (h, w)),
     }
     chunk_rows = max(1, (512 << 20) // (V * x.element_size()))
-    chunks = {"fused_linear.grpo": -(-N // chunk_rows), "fused_linear.dpo": -(-(B // 2) // max(1, chunk_rows // (2 * T))),
+    chunks = {"fused_linear.grpo": -(-N // chunk_rows),  # as ops/linear_chunks.py cuts them
+              "fused_linear.dpo": -(-(B // 2) // max(1, chunk_rows // (2 * T))),
               "fused_linear.kto": -(-B // max(1, chunk_rows // T))}
     return calls, chunks
 
@@ -104,7 +105,7 @@ def run(N, V, D, *, quick, out_dir):
                      "meets_host_target": launches <= budget and cpu <= 0.5 * gpu})
     meta = {"N": N, "V": V, "D": D, "dtype": str(dtype).replace("torch.", ""), "device": device,
             "what": "forward + backward of one call; launches = CUDA kernels (aten ops on CPU)"}
-    return common.save("host" + ("_quick" if quick else ""), rows, meta, out_dir)
+    return common.save("host" + ("_quick" if quick else ""), rows, meta, out_dir, bar="cpu_over_gpu")
 
 
 def main(argv=None):
@@ -120,6 +121,5 @@ def main(argv=None):
     D = a.d or (32 if a.quick else 2048)
     if N % 16:
         p.error("--n must be a multiple of 16 (8 rows, DPO pairs)")
-    path = run(N, V, D, quick=a.quick, out_dir=a.out)
-    print(f"wrote {path}")
+    run(N, V, D, quick=a.quick, out_dir=a.out)
     return 0

@@ -147,6 +147,5 @@ def main(argv=None):
     a = p.parse_args(argv)
     N = a.n or (64 if a.quick else 8192)
     vocabs = a.vocab or ((1000, 3000) if a.quick else VOCABS)
-    path = run(N, vocabs, quick=a.quick, only=a.only, out_dir=a.out)
-    print(f"wrote {path}")
+    run(N, vocabs, quick=a.quick, only=a.only, out_dir=a.out)
     return 0

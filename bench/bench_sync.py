@@ -186,7 +186,7 @@ def bench_fsdp2(device):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench sync", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
-    p.add_argument("--out", default=os.path.join("bench", "results"))
+    p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
     p.add_argument("--gemms", type=int, default=60)
     p.add_argument("--skip", nargs="*", default=[], choices=["copy", "overlap", "fsdp2"])
     a = p.parse_args(argv)
@@ -195,12 +195,12 @@ def main(argv=None):
     gemms = 2 if a.quick else a.gemms
     if "copy" not in a.skip:
         rows, meta = bench_copy(device, scale)
-        common.save("sync_copy", rows, {**meta, "device": device}, a.out)
+        common.save("sync_copy", rows, {**meta, "device": device}, a.out, bar="ratio_to_copy_bw", label=("src", "dst"))
     if "overlap" not in a.skip:
         rows, meta = bench_overlap(device, scale, gemms)
-        common.save("sync_overlap", rows, {**meta, "device": device}, a.out)
+        common.save("sync_overlap", rows, {**meta, "device": device}, a.out, bar="added_pct")
     if "fsdp2" not in a.skip:
         rows, meta = bench_fsdp2(device)
         print(f"state_dict way / our sync (each alone, blocking): {meta['state_dict_over_ours']:.3g}x")
-        common.save("sync_fsdp2", rows, {**meta, "device": device}, a.out)
+        common.save("sync_fsdp2", rows, {**meta, "device": device}, a.out, bar="ms")
     return 0

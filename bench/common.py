@@ -72,8 +72,11 @@ def copy_bandwidth_bytes_per_ms(nbytes=1 << 30, device=None) -> float:
 
 
 def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None = None, y: str = "ratio_to_floor",
-         series: str = "impl") -> str:
-    """Print ``rows`` as a table and write ``out_dir/name.json`` and (if matplotlib is there) ``name.png``."""
+         series: str = "impl", bar: str | None = None, label: tuple = ()) -> str:
+    """Print ``rows`` as a table, write ``out_dir/name.json`` and a PNG, and print the paths written.
+
+    The PNG is a line plot of ``y`` against ``x`` per ``series`` or, with ``bar``, horizontal bars of that column
+    labelled by ``series`` and the ``label`` columns; without matplotlib it is skipped, and said so."""
     os.makedirs(out_dir, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     widths = {k: max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys}
@@ -83,13 +86,19 @@ def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump({"env": env_info(), "meta": meta, "rows": rows}, f, indent=2)
-    if x is not None:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except Exception:
-            return path
+    print(f"wrote {path}")
+    if x is None and bar is None:
+        return path
+    plt = pyplot()
+    if plt is None:
+        print(f"no plot for {name}: matplotlib is not installed (pip install matplotlib, or the .[bench] extra)")
+        return path
+    if bar is not None:
+        pts = [(" ".join(str(r.get(k)) for k in (series, *label)), r[bar]) for r in rows if r.get(bar) is not None]
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(pts) + 1.2))
+        ax.barh([n for n, _ in pts][::-1], [v for _, v in pts][::-1])
+        ax.set_xlabel(bar)
+    else:
         fig, ax = plt.subplots(figsize=(7, 4))
         styles = [(m, ls) for ls in ("-", "--", ":") for m in ("o", "s", "^", "D")]  # tell 10+ series apart
         for i, s in enumerate(dict.fromkeys(r.get(series) for r in rows)):
@@ -99,12 +108,25 @@ def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None
                 ax.plot(*zip(*pts), marker=m, linestyle=ls, color=plt.cm.tab20(i % 20), label=str(s))
         ax.set_xlabel(x)
         ax.set_ylabel(y)
-        ax.set_title(f"{name} ({env_info()['device']})")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
-        plt.close(fig)
+    ax.set_title(f"{name} ({env_info()['device']})", fontsize=9)
+    fig.tight_layout()
+    png = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print(f"wrote {png}")
     return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    return plt
 
 
 def _fmt(v) -> str:

@@ -32,7 +32,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny' (random-init, CPU) or a hub id / local path")
     p.add_argument("--data", default=None, help="jsonl with prompt/chosen/rejected (default: the toy file)")
-    p.add_argument("--output-dir", default="outputs/humanline-dpo")
+    p.add_argument("--output-dir", default=None, help="default: a new temporary directory")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -52,15 +52,17 @@ def main(argv=None):
 
     data = a.data or (DATA if os.path.exists(DATA) else write_toy_preferences())
     ds = load_dataset("json", data_files=data, split="train")
+    tiny.quiet_trl_deprecations()
     model, tok = tiny.load(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
     # The tiny model has no hub id, so bring the reference ourselves (a real model's is loaded by TRL).
     ref = tiny.load(a.model, dtype=model.dtype)[0] if a.model == "tiny" else None
     if ref is not None:
         ref.load_state_dict(model.state_dict())
     args = HumanlineDPOConfig(
-        output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.batch_size,
+        output_dir=tiny.output_dir(a.output_dir, "humanline-dpo"), max_steps=a.max_steps,
+        per_device_train_batch_size=a.batch_size,
         learning_rate=a.lr, beta=a.beta, logging_steps=1, save_strategy="no", report_to=[], bf16=a.bf16,
-        use_cpu=not torch.cuda.is_available(), gradient_checkpointing=a.model != "tiny",
+        use_cpu=not torch.cuda.is_available(), **tiny.checkpointing_kwargs(a.model != "tiny"),
         # the three humanline fields (plus the fused log-prob path)
         humanline=not a.no_humanline, sync_every=a.sync_every, log_eps_p=a.log_eps_p, log_eps_r=a.log_eps_r,
         fused=a.fused,

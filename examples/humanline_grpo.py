@@ -38,7 +38,7 @@ def correctness_reward(completions, answer, **kwargs):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny' (random-init, CPU) or a hub id / local path")
-    p.add_argument("--output-dir", default="outputs/humanline-grpo")
+    p.add_argument("--output-dir", default=None, help="default: a new temporary directory")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--num-generations", type=int, default=2)
@@ -56,9 +56,11 @@ def main(argv=None):
 
     from humanline_kernels.integrations.trl import HumanlineGRPOConfig, HumanlineGRPOTrainer
 
+    tiny.quiet_trl_deprecations()
     model, tok = tiny.load(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
     args = HumanlineGRPOConfig(
-        output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.batch_size,
+        output_dir=tiny.output_dir(a.output_dir, "humanline-grpo"), max_steps=a.max_steps,
+        per_device_train_batch_size=a.batch_size,
         num_generations=a.num_generations, max_completion_length=a.max_completion_length, learning_rate=a.lr,
         beta=a.beta, logging_steps=1, save_strategy="no", report_to=[], bf16=a.bf16,
         use_cpu=not torch.cuda.is_available(),

@@ -60,3 +60,31 @@ def load(name="tiny", dtype=None):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def quiet_trl_deprecations() -> None:
+    """Hide the transformers 5.2x FutureWarnings that TRL 1.16's own trainers raise (old checkpointing names)."""
+    import warnings
+    for name in ("gradient_checkpointing", "is_gradient_checkpointing", "gradient_checkpointing_enable",
+                 "gradient_checkpointing_disable"):
+        warnings.filterwarnings("ignore", message=f"`{name}` is deprecated", category=FutureWarning)
+
+
+def checkpointing_kwargs(on: bool) -> dict:
+    """Training-argument keyword for activation checkpointing under the installed transformers' name for it
+    (``activation_checkpointing`` since transformers 5.2x; the old ``gradient_checkpointing`` warns there)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": on}
+
+
+def output_dir(given: str | None, name: str) -> str:
+    """``--output-dir`` when given, else a new temporary directory (nothing is written into the current one)."""
+    import tempfile
+    if given:
+        return given
+    path = tempfile.mkdtemp(prefix=f"{name}-")
+    print(f"writing trainer outputs to {path} (set --output-dir to choose)")
+    return path

@@ -48,3 +48,17 @@ def test_interpreted_twins_run_when_triton_was_imported_for_the_gpu():
     assert res["paths"] == ["interpreted"], res
     assert res["tl_max_restored"], "the interpreter's patches leaked out of the launch"
     assert all(v < 1e-4 for v in res["errs"].values()), res
+
+
+def test_interpreter_without_numpy_says_so(monkeypatch):
+    """TRITON_INTERPRET=1 on a machine without NumPy: a clear error naming it, not a silent eager fallback."""
+    import torch
+
+    import humanline_kernels as hk
+    from humanline_kernels import ops
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ops, "_numpy_available", lambda: False)
+    with pytest.raises(ModuleNotFoundError, match="needs NumPy: pip install numpy"):
+        hk.token_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the eager path needs no NumPy
+    assert hk.token_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)).shape == (2, 3)

@@ -7,6 +7,11 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+# every FutureWarning is an error here, but for the transformers deprecations that TRL's own code raises
+TRL_DEPRECATIONS = [f"ignore:`{n}` is deprecated:FutureWarning" for n in (
+    "gradient_checkpointing", "is_gradient_checkpointing", "gradient_checkpointing_enable",
+    "gradient_checkpointing_disable")]
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS)
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer  # noqa: E402
 
@@ -19,7 +24,7 @@ _spec = importlib.util.spec_from_file_location(
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
-COMMON = dict(report_to=[], use_cpu=True, bf16=False, save_strategy="no", logging_steps=1, gradient_checkpointing=False,
+COMMON = dict(report_to=[], use_cpu=True, bf16=False, save_strategy="no", logging_steps=1,
               disable_tqdm=True, seed=0)
 
 

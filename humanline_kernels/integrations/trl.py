@@ -27,6 +27,7 @@ summed log-ratios, the rewards the loss sees. ``logits/*`` and ``mean_token_accu
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -108,6 +109,11 @@ class HumanlineGRPOConfig(_HumanlineFields, GRPOConfig):
 # ---------------------------------------------------------------------------------------------------------------
 # shared trainer machinery
 # ---------------------------------------------------------------------------------------------------------------
+def _checkpointing_on(args):
+    """Activation (gradient) checkpointing requested in the training arguments, under either of its names."""
+    return bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False))
+
+
 def _refuse(cond, msg):
     if cond:
         raise ValueError(msg)
@@ -161,7 +167,10 @@ class _HumanlineMixin:
 
     def _hk_ref_forward(self, kwargs, labels):
         """Reference per-token log-probs (no grad), from ``self.ref_model`` or the adapter-disabled PEFT policy."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        # only when checkpointing is on: TRL's helper asks the model about it through deprecated transformers 5 names
+        ckpt = (disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+                if _checkpointing_on(self.args) else contextlib.nullcontext())
+        with torch.no_grad(), ckpt:
             if self.ref_model is None and is_peft_model(self.model):
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):

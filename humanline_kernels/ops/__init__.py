@@ -48,7 +48,18 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.device.type != "cpu":
         return False
     flag = os.environ.get("TRITON_INTERPRET")
-    return flag == "1" if flag is not None else INTERPRET_CPU_DEFAULT
+    if flag is None:
+        return INTERPRET_CPU_DEFAULT
+    if flag == "1" and not _numpy_available():
+        raise ModuleNotFoundError(
+            "TRITON_INTERPRET=1 runs the Triton kernels in Triton's interpreter, which needs NumPy: "
+            "pip install numpy (or unset TRITON_INTERPRET to use the eager CPU path)", name="numpy")
+    return flag == "1"
+
+
+def _numpy_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("numpy") is not None
 
 
 def _eager(name):

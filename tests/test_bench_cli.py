@@ -1,0 +1,74 @@
+"""The benchmark CLI: ``python -m bench --help`` lists the suites and exits 0, a bad suite is a one-line error,
+every suite writes to ``bench/out/`` by default (ignored by git) and prints what it wrote, and a missing
+matplotlib is said, not silent."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_help_lists_every_suite():
+    from bench.__main__ import SUITES
+    r = _bench("--help")
+    assert r.returncode == 0 and r.stderr == ""
+    for name in SUITES:
+        assert f"  {name} " in r.stdout
+    assert set(SUITES) == {"logits", "linear", "sync", "host", "gpu"}
+
+
+@pytest.mark.parametrize("args", [(), ("nope",)])
+def test_bad_suite_is_one_line(args):
+    r = _bench(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "python -m bench --help" in r.stderr
+
+
+def test_gpu_suite_refuses_cpu_in_one_line():
+    r = _bench("gpu")
+    assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_output_is_bench_out_for_every_suite():
+    import argparse
+    import importlib
+
+    from bench.__main__ import SUITES
+    for name, (mod, _) in SUITES.items():
+        m = importlib.import_module(mod)
+        seen = {}
+
+        def fake_parse(self, args=None, namespace=None, _seen=seen):
+            _seen.update({a.dest: a.default for a in self._actions})
+            raise SystemExit(0)
+        orig = argparse.ArgumentParser.parse_args
+        argparse.ArgumentParser.parse_args = fake_parse
+        try:
+            with pytest.raises(SystemExit):
+                m.main([])
+        finally:
+            argparse.ArgumentParser.parse_args = orig
+        assert seen.get("out") == os.path.join("bench", "out"), (name, seen.get("out"))
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "/bench/out/" in f.read().split()
+
+
+def test_save_prints_paths_and_says_when_the_plot_is_skipped(tmp_path, monkeypatch, capsys):
+    from bench import common
+    rows = [{"impl": "a", "V": 1, "ratio": 1.0}, {"impl": "a", "V": 2, "ratio": 1.5}]
+    common.save("t", rows, {}, str(tmp_path), x="V", y="ratio")
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 't.json'}" in out
+    if common.pyplot() is not None:
+        assert f"wrote {tmp_path / 't.png'}" in out and (tmp_path / "t.png").exists()
+    monkeypatch.setattr(common, "pyplot", lambda: None)
+    common.save("u", rows, {}, str(tmp_path), x="V", y="ratio")
+    out = capsys.readouterr().out
+    assert "no plot for u: matplotlib is not installed" in out and not (tmp_path / "u.png").exists()
