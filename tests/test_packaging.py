@@ -28,10 +28,12 @@ def dists(tmp_path_factory):
     (wheel,) = out.glob("*.whl")
     with tarfile.open(sdist) as t:
         sdist_names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+        t.extractall(out / "unpacked")
     with zipfile.ZipFile(wheel) as z:
         wheel_names = set(z.namelist())
         meta = next(z.read(n).decode() for n in wheel_names if n.endswith(".dist-info/METADATA"))
-    return sdist_names, wheel_names, meta, r.stdout + r.stderr
+    (unpacked,) = (out / "unpacked").iterdir()
+    return sdist_names, wheel_names, meta, r.stdout + r.stderr, unpacked
 
 
 def test_sdist_has_everything_to_build_and_test(dists):
@@ -61,3 +63,26 @@ def test_wheel_has_the_package_and_its_license(dists):
 
 def test_build_has_no_license_deprecation_warning(dists):
     assert "project.license` as a TOML table is deprecated" not in dists[3]
+
+
+def test_setup_py_in_the_sdist_finds_the_cuda_sources(dists, monkeypatch):
+    """On a machine with nvcc and a CUDA torch, the unpacked sdist's setup.py declares the extension from sources
+    that are there (CUDA faked: the compile itself is checked by tests/test_sync_kernel.py)."""
+    import importlib.util
+
+    import setuptools
+    import torch
+    from torch.utils import cpp_extension
+    root = dists[4]
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("HUMANLINE_NO_CUDA_EXT", raising=False)
+    spec = importlib.util.spec_from_file_location("_hk_sdist_setup", root / "setup.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (ext,), _ = mod._ext_modules()
+    assert ext.name == "humanline_kernels._sync_cuda"
+    for src in ext.sources:
+        assert (root / src).is_file(), src
+    assert any(os.path.isfile(os.path.join(root, d, "multi_tensor_copy_kernel.cuh")) for d in ext.include_dirs)
