@@ -10,7 +10,7 @@ from .fused import token_logprobs
 
 __version__ = "0.1.0"
 __all__ = ["HumanlineClip", "token_logprobs", "reference", "losses", "fused", "fused_linear", "ReferenceSyncer",
-           "integrations", "__version__"]
+           "LookaheadReference", "integrations", "__version__"]
 
 
 def __getattr__(name):
@@ -18,6 +18,9 @@ def __getattr__(name):
     if name == "ReferenceSyncer":
         from .sync import ReferenceSyncer
         return ReferenceSyncer
+    if name == "LookaheadReference":
+        from .sync._lookahead import LookaheadReference
+        return LookaheadReference
     if name in ("fused_linear", "integrations", "sync"):
         import importlib
         return importlib.import_module(f".{name}", __name__)

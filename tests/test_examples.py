@@ -25,6 +25,17 @@ def test_plain_loop():
     assert hist[1]["loss"] != hist[0]["loss"] and all(math.isfinite(h["loss"]) for h in hist)
 
 
+def test_lookahead_loop_trains_like_the_synced_plain_loop():
+    """examples/lookahead_loop.py (no reference model) gives the losses and metrics of examples/plain_loop.py."""
+    args = ["--steps", "5", "--pairs", "2", "--sync-every", "2", "--lr", "1e-2"]
+    synced = _load("plain_loop").main(args)
+    look = _load("lookahead_loop").main(args)
+    assert [h["synced"] for h in look] == [h["synced"] for h in synced] == [True, False, True, False, True]
+    for a, b in zip(look, synced):
+        for k in a:
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+
+
 def test_dpo_example(tmp_path):
     tr = _load("humanline_dpo").main(["--max-steps", "2", "--batch-size", "2", "--output-dir", str(tmp_path),
                                       "--fused", "logits"])
