@@ -12,7 +12,6 @@ See docs/lookahead.md for why it is exact and when it applies.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,23 +21,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny  # noqa: E402
 from humanline_dpo import DATA, write_toy_preferences  # noqa: E402
-from plain_loop import encode, hidden_states  # noqa: E402
+from plain_loop import encode, hidden_states, make_parser  # noqa: E402
 
 import humanline_kernels as hk  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--data", default=None)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--pairs", type=int, default=4, help="preference pairs per step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--sync-every", type=int, default=1)
-    p.add_argument("--log-eps-p", type=float, default=-1.5)
-    p.add_argument("--log-eps-r", type=float, default=1.5)
-    p.add_argument("--bf16", action="store_true")
+    p = make_parser(__doc__)
     a = p.parse_args(argv)
     if a.steps < 1 or a.pairs < 1 or a.sync_every < 1:
         p.error("--steps, --pairs and --sync-every must be positive")

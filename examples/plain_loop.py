@@ -47,8 +47,9 @@ def hidden_states(model, ids, attn):
     return model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(description):
+    """The flags of the plain-loop examples (this one and lookahead_loop.py)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--data", default=None)
     p.add_argument("--steps", type=int, default=20)
@@ -59,7 +60,11 @@ def main(argv=None):
     p.add_argument("--log-eps-p", type=float, default=-1.5)
     p.add_argument("--log-eps-r", type=float, default=1.5)
     p.add_argument("--bf16", action="store_true")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    a = make_parser(__doc__).parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     policy, tok = tiny.load(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
