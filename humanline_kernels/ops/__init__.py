@@ -8,6 +8,7 @@ registrations are in :mod:`.custom_ops`. fp64 logits always take the eager path.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -57,9 +58,11 @@ def use_triton(t: torch.Tensor) -> bool:
     return flag == "1"
 
 
+_NUMPY = importlib.util.find_spec("numpy") is not None  # looked up once: torch.compile cannot trace find_spec
+
+
 def _numpy_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("numpy") is not None
+    return _NUMPY
 
 
 def _eager(name):
