@@ -194,6 +194,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join("bench", "out"),
                    help="directory for gpu.log, gpu.json and the benchmarks' JSON/PNG (default bench/out)")
     p.add_argument("--skip", nargs="*", default=[], choices=STAGES, help="stages to leave out")
+    p.add_argument("--with-suite", action="store_true",
+                   help="the tests stage runs the whole suite (CPU interpreter tests too; pytest-xdist when "
+                        "installed), as the README's test command would, instead of the GPU tests only")
     p.add_argument("--n", type=int, default=8192, help="tokens of the parity checks (default 8192)")
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary of the parity checks (default 128256)")
     p.add_argument("--d", type=int, default=4096, help="hidden size of the fused-linear parity check (default 4096)")
@@ -209,8 +212,16 @@ def main(argv=None):
     log.write(json.dumps(report["env"]) + "\n")
     py = sys.executable
     budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "linear": 150, "sync": 120}
+    suite = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    if a.with_suite:
+        budgets["tests"] = 360
+        try:
+            import xdist  # noqa: F401
+            suite += ["-n", str(min(12, os.cpu_count() or 1))]
+        except ImportError:
+            pass
     cmds = {
-        "tests": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        "tests": suite if a.with_suite else suite[:4] + ["-m", "gpu"] + suite[4:],
         "demo": [py, "-m", "humanline_kernels.demo", "--device", "cuda"],
         "host": [py, "-m", "bench", "host", "--out", a.out],
         "logits": [py, "-m", "bench", "logits", "--out", a.out, "--vocab", "32000", "128256", "151936"],
