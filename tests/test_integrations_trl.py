@@ -163,3 +163,25 @@ def test_model_id_or_path_with_peft_installed(tiny_path):
     lora = peft.get_peft_model(tiny.tiny_model(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="humanline needs a separate reference model"):
         HumanlineDPOTrainer(lora, args=HumanlineDPOConfig(**kw), train_dataset=pref_data(), processing_class=tok)
+
+
+@pytest.mark.parametrize("fused", ["logits", "linear"])
+def test_grpo_cast_lm_head_to_fp32_matches_trl(tiny_path, fused):
+    """``cast_lm_head_to_fp32=True`` on a bf16 model: the fp32 head and fp32 logits (or fp32 hidden states and
+    weight for the fused-linear GEMMs) go through our kernels; parity with TRL's stock trainer in that mode."""
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/o32", max_steps=1, beta=0.05, loss_type="dapo",
+              cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": torch.bfloat16})
+    stock = GRPOTrainer(tiny_path, reward_funcs=digit_reward, args=GRPOConfig(**kw), train_dataset=grpo_data(),
+                        processing_class=tok)
+    ours = HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
+                                args=HumanlineGRPOConfig(**kw, humanline=False, fused=fused), processing_class=tok)
+    for tr in (stock, ours):
+        assert tr.model.lm_head.weight.dtype == torch.float32
+        assert tr.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    stock.model.train()
+    inputs = stock._prepare_inputs(next(iter(stock.get_train_dataloader())))
+    with torch.no_grad():
+        inputs["old_per_token_logps"] = inputs["ref_per_token_logps"] + 0.3 * torch.randn_like(
+            inputs["ref_per_token_logps"])
+    _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs), tol=1e-5)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import types
 
+import torch
+
 FUSED_MODES = ("linear", "logits", "off")
 
 
@@ -76,7 +78,9 @@ def _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, l
             bias = None if bias is None else bias.full_tensor()
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-        hidden = hidden.to(weight.device)
+        # TRL's cast_lm_head_to_fp32 (GRPO) keeps an fp32 head and feeds it fp32 hidden states: do the same, so the
+        # fused-linear GEMMs run in fp32 (TF32 where allowed) like TRL's head
+        hidden = hidden.to(device=weight.device, dtype=weight.dtype if weight.dtype == torch.float32 else None)
         targets = labels[:, 1:].to(weight.device)
         with maybe_gather_lm_head_ctx(weight, bias):
             res = hk.fused_linear.token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,

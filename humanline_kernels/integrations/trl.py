@@ -145,8 +145,6 @@ class _HumanlineMixin:
         if self.hk_fused != "off":
             _refuse(getattr(self, "aux_loss_enabled", False),
                     f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
-            _refuse(getattr(self.args, "cast_lm_head_to_fp32", False),
-                    f"{name}: cast_lm_head_to_fp32 is only supported with fused='off' (our kernels accumulate in fp32)")
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         install_head(policy, self.hk_fused, temperature)
         if self.ref_model is not None:
