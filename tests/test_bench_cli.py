@@ -72,3 +72,15 @@ def test_save_prints_paths_and_says_when_the_plot_is_skipped(tmp_path, monkeypat
     common.save("u", rows, {}, str(tmp_path), x="V", y="ratio")
     out = capsys.readouterr().out
     assert "no plot for u: matplotlib is not installed" in out and not (tmp_path / "u.png").exists()
+
+
+def test_host_quick_runs(tmp_path, monkeypatch):
+    """``python -m bench host --quick``: launches counted, CPU and device times recorded, JSON written."""
+    import json
+
+    from bench import bench_host
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert bench_host.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "host_quick.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} >= {"token_logprobs", "fused.dpo", "fused_linear.grpo"}
+    assert all(r["launches"] > 0 and r["cpu_ms"] > 0 for r in rows)

@@ -1,0 +1,112 @@
+"""Host cost of one loss call, counted on CPU: the device kernels one forward + backward would launch.
+
+A ``TorchDispatchMode`` sees every aten op the call dispatches (on CUDA each non-view op is a kernel launch) and
+``ops._jit.LAUNCHES`` counts the Triton launches; the custom ops that wrap those launches are not counted twice.
+DESIGN.md's budget: a logits-level loss forward + backward launches at most 8 kernels, a fused-linear loss at most
+3 per chunk + 6. ``token_logprobs`` meets it; the losses do not yet (issue 16: their ``[B, T]`` reductions and
+metrics run as separate small kernels): for them this test is a ceiling at today's count, so that a change can
+only lower it, and the printed table is the to-do list.
+"""
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import humanline_kernels as hk
+from humanline_kernels.ops import _jit
+
+# ops that launch nothing on a GPU: views, metadata, allocation without a fill
+_FREE = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "detach", "alias", "as_strided",
+         "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "unsqueeze", "squeeze", "permute",
+         "reshape", "_reshape_alias", "lift_fresh", "unbind", "split", "split_with_sizes", "diagonal", "narrow",
+         "_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+         "_local_scalar_dense"}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ns, name = func.namespace, func.overloadpacket.__name__
+        if ns != "humanline" and name not in _FREE:  # humanline ops: their launches are counted by _jit
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _quiet_launches(monkeypatch):
+    """Run each interpreted Triton launch outside the dispatch mode: the interpreter's own host copies of the
+    arguments are not kernels a GPU would run (the launch itself is counted by ``_jit.LAUNCHES``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from humanline_kernels.ops import logprobs, losses_kernels
+    original = _jit.launcher
+
+    def launcher(kernel, t):
+        k = original(kernel, t)
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def call(*args, **kwargs):
+                    with _disable_current_modes():
+                        return k[grid](*args, **kwargs)
+                return call
+        return _Grid()
+    for mod in (_jit, logprobs, losses_kernels):
+        monkeypatch.setattr(mod, "launcher", launcher)
+
+
+def count(fn, wrt):
+    fn()  # warm-up: nothing first-call-only is counted
+    _jit.LAUNCHES.clear()
+    with _Count() as c:
+        loss = fn()
+        torch.autograd.grad(loss, wrt)
+    triton = sum(n for (path, _), n in _jit.LAUNCHES.items() if path != "eager")
+    return sum(c.ops.values()) + triton, dict(c.ops), triton
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    B, T, V, D = 4, 6, 50, 8
+    x = torch.randn(B, T, V, generator=g, requires_grad=True)
+    y = torch.randint(0, V, (B, T), generator=g)
+    ref = torch.randn(B, T, generator=g) - 4
+    adv = torch.randn(B, generator=g)
+    des = torch.tensor([True, False, True, False])
+    h = torch.randn(B, T, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=True)
+    return x, y, ref, adv, des, h, w
+
+
+def _calls():
+    x, y, ref, adv, des, h, w = _inputs()
+    nv = dict(validate=False)
+    one_chunk = dict(chunk_bytes=1 << 20, **nv)
+    # (call, inputs, budget, ceiling: today's count on this path; one chunk for the fused-linear losses)
+    return {
+        "token_logprobs": (lambda: hk.token_logprobs(x, y, **nv).sum(), x, 8, 5),
+        "fused.grpo": (lambda: hk.fused.grpo(x, y, ref, adv, beta=0.04, **nv)[0], x, 8, 29),
+        "fused.grpo(grad_in_forward)": (lambda: hk.fused.grpo(x, y, ref, adv, beta=0.04, grad_in_forward=True,
+                                                              **nv)[0], x, 8, 33),
+        "fused.dpo": (lambda: hk.fused.dpo(x, y, ref, **nv)[0], x, 8, 46),
+        "fused.kto": (lambda: hk.fused.kto(x, y, ref, des, ref[:2], ref[:2] - 0.1, y[:2] != -100, **nv)[0], x, 8,
+                      84),
+        "fused_linear.grpo": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **one_chunk)[0], (h, w), 3 + 6, 145),
+        "fused_linear.dpo": (lambda: hk.fused_linear.dpo(h, w, y, ref, **one_chunk)[0], (h, w), 3 + 6, 112),
+        "fused_linear.kto": (lambda: hk.fused_linear.kto(h, w, y, ref, des, **one_chunk)[0], (h, w), 3 + 6, 138),
+    }
+
+
+@pytest.mark.parametrize("name", list(_calls()))
+def test_launch_count_within_budget_or_ceiling(name, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _quiet_launches(monkeypatch)
+    fn, wrt, budget, ceiling = _calls()[name]
+    n, ops, triton = count(fn, wrt)
+    with capsys.disabled():
+        print(f"\n{name}: {n} launches ({triton} Triton), budget {budget}; aten: {ops}")
+    assert triton >= 1, "the kernels did not run"
+    assert n <= max(budget, ceiling), f"{name}: {n} launches, more than today's {ceiling} (budget {budget})"
