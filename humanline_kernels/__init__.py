@@ -10,7 +10,7 @@ from .fused import token_logprobs
 
 __version__ = "0.1.0"
 __all__ = ["HumanlineClip", "token_logprobs", "reference", "losses", "fused", "fused_linear", "ReferenceSyncer",
-           "LookaheadReference", "integrations", "__version__"]
+           "LookaheadReference", "reference_adapter", "integrations", "__version__"]
 
 
 def __getattr__(name):
@@ -18,6 +18,9 @@ def __getattr__(name):
     if name == "ReferenceSyncer":
         from .sync import ReferenceSyncer
         return ReferenceSyncer
+    if name == "reference_adapter":
+        from .sync._adapters import reference_adapter
+        return reference_adapter
     if name == "LookaheadReference":
         from .sync._lookahead import LookaheadReference
         return LookaheadReference

@@ -161,16 +161,29 @@ class ReferenceSyncer:
                 for d in by_dev:
                     plan.run(d)
 
+    def _collect(self):
+        return collect_pairs(self.policy, self.reference)
+
     def _plan(self, late: bool) -> CopyPlan:
         if self._pairs is None:
-            self._pairs = collect_pairs(self.policy, self.reference)
+            self._pairs = self._collect()
         got = self._pairs.resolve(late)
         if got is None:  # structure changed (load_state_dict(assign=True), .to(), a new layout): re-collect
-            self._pairs = collect_pairs(self.policy, self.reference)
+            self._pairs = self._collect()
             got = self._pairs.resolve(late)
             if got is None:
                 raise RuntimeError("reference/policy parameter pairs changed while being collected")
         return CopyPlan(*got, use_kernel=self.use_kernel)
+
+    @classmethod
+    def for_adapters(cls, peft_model: nn.Module, train: str = "default", reference: str = "reference",
+                     every: int = 1, overlap: bool = True, use_kernel: bool | None = None):
+        """Humanline sync between two adapters of one PEFT model: the reference is a frozen copy of the trained
+        adapter, so no second base model is held and a sync copies adapter weights only. See
+        :mod:`humanline_kernels.sync._adapters`; run reference forwards under :func:`hk.reference_adapter`."""
+        from ._adapters import AdapterSyncer
+        return AdapterSyncer(peft_model, train=train, reference=reference, every=every, overlap=overlap,
+                             use_kernel=use_kernel)
 
     def __repr__(self) -> str:
         backend = self._pairs.backend if self._pairs is not None else "?"

@@ -1,0 +1,141 @@
+"""Humanline syncing for PEFT adapters: the reference is a second, frozen adapter on the same base model.
+
+After the first step the humanline reference must be the policy before the update: base *plus* adapter. PEFT's
+usual LoRA reference (the base model with adapters disabled) is therefore wrong for humanline. The cheap exact
+way: a frozen ``reference`` adapter beside the trained one; reference forwards run with it active
+(:func:`reference_adapter`), and a sync copies the trained adapter's weights into it (megabytes, not a model)
+with the same copy path as :class:`~humanline_kernels.ReferenceSyncer` (side stream on CUDA, csrc kernel).
+
+Supported adapter types: LoRA (DoRA included: its magnitude vectors are plain parameters too) and IA3, whose
+weights are plain tensors named ``...<adapter>...``; others raise a ``ValueError`` naming the type.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import torch
+from torch import nn
+
+from ._backends import Pairs
+from ._syncer import ReferenceSyncer
+
+SUPPORTED = ("LORA", "IA3")
+
+
+def _peft_type(cfg) -> str:
+    t = getattr(cfg, "peft_type", None)
+    return str(getattr(t, "value", t))
+
+
+def _renamed(name: str, src: str, dst: str):
+    """``name`` with its dotted component ``src`` replaced by ``dst``, or None when it has no such component."""
+    parts = name.split(".")
+    if src not in parts:
+        return None
+    return ".".join(dst if p == src else p for p in parts)
+
+
+def _pairs(model: nn.Module, train: str, reference: str):
+    """``[(reference param name, train param name)]`` for every parameter of the trained adapter."""
+    params = dict(model.named_parameters())
+    out = []
+    for name in params:
+        ref = _renamed(name, train, reference)
+        if ref is None:
+            continue
+        if ref not in params:
+            raise ValueError(f"the reference adapter {reference!r} has no parameter {ref!r} for {name!r}: the two "
+                             "adapters must have the same configuration")
+        out.append((ref, name))
+    if not out:
+        raise ValueError(f"adapter {train!r} has no parameters")
+    return out
+
+
+class AdapterSyncer(ReferenceSyncer):
+    """``ReferenceSyncer`` whose reference is the adapter ``reference`` of ``peft_model`` and whose policy is the
+    adapter ``train`` (same protocol: ``start()``, ``wait()``, ``sync()``, ``state_dict()``). Built by
+    :meth:`ReferenceSyncer.for_adapters`: creates the reference adapter when missing (a copy of the trained one,
+    frozen), freezes it when present."""
+
+    def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
+                 overlap: bool = True, use_kernel: bool | None = None):
+        configs = getattr(peft_model, "peft_config", None)
+        if not isinstance(configs, dict) or not hasattr(peft_model, "add_adapter"):
+            raise ValueError(f"for_adapters needs a PEFT model (peft.PeftModel), got {type(peft_model).__name__}")
+        if train not in configs:
+            raise ValueError(f"adapter {train!r} not found; the model has {sorted(configs)}")
+        if train == reference:
+            raise ValueError("train and reference must be different adapters")
+        kind = _peft_type(configs[train])
+        if kind not in SUPPORTED:
+            raise ValueError(f"adapter {train!r} is of type {kind}; humanline adapter syncing supports "
+                             f"{', '.join(SUPPORTED)} (LoRA includes DoRA)")
+        created = reference not in configs
+        if created:
+            active = peft_model.active_adapter
+            peft_model.add_adapter(reference, copy.deepcopy(configs[train]))
+            if peft_model.active_adapter != active:  # PEFT does not activate it; keep it that way regardless
+                peft_model.set_adapter(active)
+        elif _peft_type(configs[reference]) != kind:
+            raise ValueError(f"adapter {reference!r} is of type {_peft_type(configs[reference])}, not {kind}")
+        # the syncer's policy/reference are the same module: the pairs come from the adapter names instead
+        super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel)
+        self.train_adapter, self.reference_adapter = train, reference
+        params = dict(peft_model.named_parameters())
+        for ref, _ in _pairs(peft_model, train, reference):
+            params[ref].requires_grad_(False)  # frozen: never in an optimizer built from trainable parameters
+        if created:  # the reference starts as the trained adapter (the initial policy)
+            with torch.no_grad():
+                for ref, src in _pairs(peft_model, train, reference):
+                    params[ref].copy_(params[src])
+
+    def _collect(self):
+        model = self.policy
+        params = dict(model.named_parameters())
+        pairs = Pairs("peft-adapters")
+        for ref, src in _pairs(model, self.train_adapter, self.reference_adapter):
+            pairs.add(ref, functools.partial(_data, params[ref]), functools.partial(_data, params[src]))
+        return pairs
+
+    def __repr__(self) -> str:
+        return (f"AdapterSyncer(train={self.train_adapter!r}, reference={self.reference_adapter!r}, "
+                f"every={self.every}, overlap={self.overlap}, step={self._step})")
+
+
+class _Same(nn.Module):
+    """Placeholder reference (the base class refuses ``policy is reference``); holds no parameters."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.__dict__["target"] = model  # not a submodule
+
+
+def _data(p):
+    return p.data
+
+
+@contextlib.contextmanager
+def reference_adapter(peft_model: nn.Module, name: str = "reference", eval_mode: bool = True):
+    """Run the enclosed forward with adapter ``name`` active (and, with ``eval_mode``, the model in eval mode, as a
+    reference model is kept: no dropout). The previously active adapter, every submodule's train/eval mode and
+    every parameter's ``requires_grad`` are restored afterwards, also when the forward raises (PEFT's
+    ``set_adapter`` changes which adapter is trainable)."""
+    if name not in getattr(peft_model, "peft_config", {}):
+        raise ValueError(f"adapter {name!r} not found; create it with hk.ReferenceSyncer.for_adapters(...)")
+    previous = peft_model.active_adapter
+    flags = [(p, p.requires_grad) for p in peft_model.parameters()]
+    modes = [(m, m.training) for m in peft_model.modules()]
+    peft_model.set_adapter(name)
+    if eval_mode:
+        peft_model.eval()
+    try:
+        yield peft_model
+    finally:
+        peft_model.set_adapter(previous)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        for m, training in modes:
+            m.training = training
