@@ -152,8 +152,8 @@ def test_dpo_off_matches_trl_cuda(tiny_path, fused, compiled_kernels):
 
 def test_model_id_or_path_with_peft_installed(tiny_path):
     """A model given by path (as most users do) with peft installed: accelerate's is_peft_model must not be asked
-    about a str (it walked it as a module: AttributeError '_modules'). A PeftModel is still refused with humanline
-    on (its reference would be the adapter-disabled policy, which is not humanline)."""
+    about a str (it walked it as a module: AttributeError '_modules'). A PeftModel with humanline on gets a synced
+    reference adapter (tested below)."""
     peft = pytest.importorskip("peft")
     tok = tiny.tiny_tokenizer()
     kw = dict(COMMON, output_dir=tiny_path + "/peft", per_device_train_batch_size=2, max_steps=1)
@@ -161,8 +161,9 @@ def test_model_id_or_path_with_peft_installed(tiny_path):
                                   processing_class=tok)
     assert trainer.ref_model is not None and not isinstance(trainer.model, peft.PeftModel)
     lora = peft.get_peft_model(tiny.tiny_model(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match="humanline needs a separate reference model"):
-        HumanlineDPOTrainer(lora, args=HumanlineDPOConfig(**kw), train_dataset=pref_data(), processing_class=tok)
+    trainer = HumanlineDPOTrainer(lora, args=HumanlineDPOConfig(**kw), train_dataset=pref_data(),
+                                  processing_class=tok)  # PEFT + humanline: a reference adapter, no model
+    assert trainer.ref_model is None and "humanline_reference" in trainer.model.peft_config
 
 
 @pytest.mark.parametrize("fused", ["logits", "linear"])
@@ -185,3 +186,84 @@ def test_grpo_cast_lm_head_to_fp32_matches_trl(tiny_path, fused):
         inputs["old_per_token_logps"] = inputs["ref_per_token_logps"] + 0.3 * torch.randn_like(
             inputs["ref_per_token_logps"])
     _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs), tol=1e-5)
+
+
+def _peft_config():
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+@pytest.mark.parametrize("fused", ["logits", "linear"])
+def test_dpo_peft_humanline_off_matches_trl(tiny_path, fused):
+    """humanline=False with PEFT: the reference is the adapter-disabled base, as in TRL's stock trainer."""
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, output_dir=tiny_path + "/peft-off", per_device_train_batch_size=3, max_steps=1)
+    stock = DPOTrainer(tiny_path, args=DPOConfig(**kw), train_dataset=pref_data(), processing_class=tok,
+                       peft_config=_peft_config())
+    ours = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, humanline=False, fused=fused),
+                               train_dataset=pref_data(), processing_class=tok, peft_config=_peft_config())
+    inputs = stock._prepare_inputs(next(iter(stock.get_train_dataloader())))
+    with torch.no_grad():  # a non-zero adapter, the same in both
+        for p, q in zip(stock.model.parameters(), ours.model.parameters()):
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+                q.copy_(p)
+    _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs))
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_dpo_peft_humanline_syncs_a_reference_adapter(tiny_path, every):
+    """humanline=True with PEFT: a frozen reference adapter, synced before each sync step's update; no reference
+    model; at step t the reference adapter holds the trained adapter of the last sync step s < t."""
+    from transformers import TrainerCallback
+
+    from humanline_kernels.integrations.trl import HK_REF_ADAPTER
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, output_dir=tiny_path + "/peft-on", per_device_train_batch_size=2, max_steps=4,
+              learning_rate=5e-2)
+    tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, sync_every=every), train_dataset=pref_data(),
+                             processing_class=tok, peft_config=_peft_config())
+    assert tr.ref_model is None and HK_REF_ADAPTER in tr.model.peft_config
+
+    def adapter(name):
+        return [p.detach().clone() for n, p in tr.model.named_parameters() if f".{name}." in n]
+
+    class Snap(TrainerCallback):
+        train, ref = [], []
+
+        def on_step_begin(self, *a, **k):
+            Snap.train.append(adapter("default"))
+            Snap.ref.append(adapter(HK_REF_ADAPTER))
+    tr.add_callback(Snap())
+    tr.train()
+    assert not any(p.requires_grad for n, p in tr.model.named_parameters() if HK_REF_ADAPTER in n)
+    for t in range(1, len(Snap.train)):
+        s = ((t - 1) // every) * every
+        for a, b in zip(Snap.ref[t], Snap.train[s]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert any(not torch.equal(a, b) for a, b in zip(Snap.train[t], Snap.train[t - 1]))
+    assert len(Snap.train) == 4
+
+
+def test_grpo_peft_humanline_is_refused(tiny_path):
+    with pytest.raises(ValueError, match="supported by the DPO and KTO trainers"):
+        HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
+                             args=HumanlineGRPOConfig(**dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/g")),
+                             processing_class=tiny.tiny_tokenizer(), peft_config=_peft_config())
+
+
+def test_kto_peft_humanline_trains_with_a_reference_adapter(tiny_path):
+    from humanline_kernels.integrations.trl import HK_REF_ADAPTER
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, output_dir=tiny_path + "/kto-peft", per_device_train_batch_size=4, max_steps=2,
+              learning_rate=5e-2)
+    tr = HumanlineKTOTrainer(tiny_path, args=HumanlineKTOConfig(**kw), train_dataset=kto_data(), processing_class=tok,
+                             peft_config=_peft_config())
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if ".default." in n}
+    tr.train()
+    ref = {n.replace(f".{HK_REF_ADAPTER}.", ".default."): p for n, p in tr.model.named_parameters()
+           if f".{HK_REF_ADAPTER}." in n}
+    assert tr.ref_model is None and ref.keys() == before.keys()
+    # after two steps with every = 1 the reference adapter holds the trained adapter of step 1 (not the initial one)
+    assert any(not torch.equal(ref[n], before[n]) for n in before)
+    assert tr.hk_sync.num_syncs == 2

@@ -36,13 +36,16 @@ class HumanlineSyncCallback(TrainerCallback):
         ref_model: the reference model (as the trainer holds it). If None, the ``ref_model`` keyword of the
             callback events is used (TRL's ``CallbackHandlerWithRefModel`` pattern).
         overlap: let the copy run on a side CUDA stream (when :meth:`reference_done` is called).
+        adapters: ``(train, reference)`` adapter names when the policy is a PEFT model whose reference is a frozen
+            second adapter (:meth:`humanline_kernels.ReferenceSyncer.for_adapters`); then no reference model.
     """
 
-    def __init__(self, every: int = 1, ref_model=None, overlap: bool = True):
+    def __init__(self, every: int = 1, ref_model=None, overlap: bool = True, adapters=None):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         self.every = every
         self.ref_model = ref_model
+        self.adapters = adapters  # (train, reference) adapter names of a PEFT policy: no reference model
         self.overlap = bool(overlap)
         self.syncer = None
         self.num_syncs = 0          # optimizer steps that synced, for logging and tests
@@ -57,6 +60,16 @@ class HumanlineSyncCallback(TrainerCallback):
                 "HumanlineSyncCallback cannot sync before the update under DeepSpeed: accelerate runs the DeepSpeed "
                 "optimizer step inside accelerator.backward, before on_pre_optimizer_step. Use the humanline TRL "
                 "trainers (humanline_kernels.integrations.trl), which sync before the backward.")
+        if self.adapters is not None:
+            if model is None:
+                raise ValueError("HumanlineSyncCallback: the trainer passed no model to on_train_begin")
+            from .. import ReferenceSyncer
+            train, ref_name = self.adapters
+            self.syncer = ReferenceSyncer.for_adapters(_unwrap(model), train=train, reference=ref_name,
+                                                       every=self.every, overlap=self.overlap)
+            self.syncer.load_state_dict({"step": int(state.global_step)})
+            self._waited = False
+            return
         reference = self.ref_model if self.ref_model is not None else ref_model
         if reference is None:
             raise ValueError(

@@ -44,6 +44,8 @@ from .._clip import HumanlineClip
 from ._head import FUSED_MODES, install_head
 from .transformers import HumanlineSyncCallback
 
+HK_REF_ADAPTER = "humanline_reference"  # the frozen reference adapter the trainers add to a PEFT policy
+
 __all__ = ["HumanlineDPOConfig", "HumanlineKTOConfig", "HumanlineGRPOConfig", "HumanlineDPOTrainer",
            "HumanlineKTOTrainer", "HumanlineGRPOTrainer"]
 
@@ -127,11 +129,6 @@ def _precheck_common(name, args, model, peft_config, humanline):
         _refuse(args.sync_ref_model,
                 f"{name}: sync_ref_model=True (TR-DPO, syncs after the update) conflicts with humanline syncing "
                 "(before the update, every sync_every steps). Set sync_ref_model=False.")
-        # a model id or path (str) is loaded by TRL later and is never a PEFT model; accelerate's is_peft_model
-        # would walk it as a module when peft is installed
-        _refuse(peft_config is not None or (isinstance(model, torch.nn.Module) and is_peft_model(model)),
-                f"{name}: humanline needs a separate reference model to sync into; under PEFT the reference is the "
-                "adapter-disabled policy. Train without PEFT or set humanline=False.")
     _refuse(getattr(args, "padding_free", False), f"{name}: padding_free=True is not supported")
 
 
@@ -140,7 +137,8 @@ class _HumanlineMixin:
 
     def _hk_setup(self, temperature=1.0):
         name = type(self).__name__
-        if self.ref_model is None and self.hk_humanline:
+        peft_policy = self.ref_model is None and is_peft_model(self.model)
+        if self.ref_model is None and self.hk_humanline and not peft_policy:
             raise ValueError(f"{name}: humanline needs a reference model (pass ref_model=... or let TRL build one)")
         if self.hk_fused != "off":
             _refuse(getattr(self, "aux_loss_enabled", False),
@@ -150,7 +148,19 @@ class _HumanlineMixin:
         if self.ref_model is not None:
             install_head(_hf_module(self.ref_model), self.hk_fused, temperature, entropy=False)
         self.hk_sync = None
-        if self.hk_humanline:
+        self.hk_ref_adapter = None
+        if self.hk_humanline and peft_policy:
+            # PEFT: the reference is a frozen second adapter synced from the trained one (TRL's adapter-disabled
+            # reference is the base model, not the pre-update policy that humanline needs)
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            train_adapter = unwrapped.active_adapter
+            self.hk_ref_adapter = HK_REF_ADAPTER
+            from ..sync._adapters import AdapterSyncer
+            AdapterSyncer(unwrapped, train=train_adapter, reference=HK_REF_ADAPTER)  # creates and freezes it
+            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, adapters=(train_adapter, HK_REF_ADAPTER))
+            self.hk_sync._allow_deepspeed = True
+            self.add_callback(self.hk_sync)
+        elif self.hk_humanline:
             self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, ref_model=self.ref_model)
             self.hk_sync._allow_deepspeed = True  # we sync before the backward under DeepSpeed (reference_done)
             self.add_callback(self.hk_sync)
@@ -171,6 +181,10 @@ class _HumanlineMixin:
         with torch.no_grad(), ckpt:
             if self.ref_model is None and is_peft_model(self.model):
                 unwrapped = self.accelerator.unwrap_model(self.model)
+                if self.hk_ref_adapter is not None:  # humanline: the synced reference adapter
+                    from ..sync._adapters import reference_adapter
+                    with reference_adapter(unwrapped, self.hk_ref_adapter, eval_mode=False):
+                        return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                     return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
             return self.ref_model(**kwargs, labels=labels, fused_lm_head=True).log_probs
@@ -409,6 +423,9 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
                 f"{name}: vLLM importance-sampling correction (TRL's per-token sampling ratio) is not applied by the "
                 "humanline GRPO loss; set vllm_importance_sampling_correction=False")
         if self.hk_humanline:
+            _refuse(peft_config is not None or (isinstance(model, torch.nn.Module) and is_peft_model(model)),
+                    f"{name}: humanline with a PEFT policy is supported by the DPO and KTO trainers (a synced "
+                    "reference adapter); for GRPO it is not yet: train without PEFT or set humanline=False")
             gen_every = args.steps_per_generation * args.num_iterations
             _refuse(gen_every != args.gradient_accumulation_steps,
                     f"{name}: with humanline the reference log-probs of a generation batch must all come from the "
