@@ -163,7 +163,7 @@ def test_model_id_or_path_with_peft_installed(tiny_path):
     lora = peft.get_peft_model(tiny.tiny_model(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     trainer = HumanlineDPOTrainer(lora, args=HumanlineDPOConfig(**kw), train_dataset=pref_data(),
                                   processing_class=tok)  # PEFT + humanline: a reference adapter, no model
-    assert trainer.ref_model is None and "humanline_reference" in trainer.model.peft_config
+    assert trainer.ref_model is None and "ref" in trainer.model.peft_config
 
 
 @pytest.mark.parametrize("fused", ["logits", "linear"])
@@ -211,45 +211,54 @@ def test_dpo_peft_humanline_off_matches_trl(tiny_path, fused):
     _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs))
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_dpo_peft_humanline_syncs_a_reference_adapter(tiny_path, every):
-    """humanline=True with PEFT: a frozen reference adapter, synced before each sync step's update; no reference
-    model; at step t the reference adapter holds the trained adapter of the last sync step s < t."""
+def _adapter_lag(tr, every, steps):
+    """Train; at step t the reference adapter holds the trained adapter of the last sync step s < t."""
     from transformers import TrainerCallback
 
     from humanline_kernels.integrations.trl import HK_REF_ADAPTER
-    tok = tiny.tiny_tokenizer()
-    kw = dict(COMMON, output_dir=tiny_path + "/peft-on", per_device_train_batch_size=2, max_steps=4,
-              learning_rate=5e-2)
-    tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, sync_every=every), train_dataset=pref_data(),
-                             processing_class=tok, peft_config=_peft_config())
     assert tr.ref_model is None and HK_REF_ADAPTER in tr.model.peft_config
 
     def adapter(name):
         return [p.detach().clone() for n, p in tr.model.named_parameters() if f".{name}." in n]
 
     class Snap(TrainerCallback):
-        train, ref = [], []
+        def __init__(self):
+            self.train, self.ref = [], []
 
         def on_step_begin(self, *a, **k):
-            Snap.train.append(adapter("default"))
-            Snap.ref.append(adapter(HK_REF_ADAPTER))
-    tr.add_callback(Snap())
+            self.train.append(adapter("default"))
+            self.ref.append(adapter(HK_REF_ADAPTER))
+    snap = Snap()
+    tr.add_callback(snap)
     tr.train()
-    assert not any(p.requires_grad for n, p in tr.model.named_parameters() if HK_REF_ADAPTER in n)
-    for t in range(1, len(Snap.train)):
+    assert not any(p.requires_grad for n, p in tr.model.named_parameters() if f".{HK_REF_ADAPTER}." in n)
+    assert len(snap.train) == steps and snap.ref[0]
+    for t in range(1, steps):
         s = ((t - 1) // every) * every
-        for a, b in zip(Snap.ref[t], Snap.train[s]):
+        for a, b in zip(snap.ref[t], snap.train[s]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-        assert any(not torch.equal(a, b) for a, b in zip(Snap.train[t], Snap.train[t - 1]))
-    assert len(Snap.train) == 4
+        assert any(not torch.equal(a, b) for a, b in zip(snap.train[t], snap.train[t - 1]))
 
 
-def test_grpo_peft_humanline_is_refused(tiny_path):
-    with pytest.raises(ValueError, match="supported by the DPO and KTO trainers"):
-        HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
-                             args=HumanlineGRPOConfig(**dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/g")),
+@pytest.mark.parametrize("every", [1, 2])
+def test_dpo_peft_humanline_syncs_a_reference_adapter(tiny_path, every):
+    """humanline=True with PEFT: a frozen reference adapter (TRL's "ref"), synced before each sync step's
+    update; no reference model."""
+    kw = dict(COMMON, output_dir=tiny_path + "/peft-on", per_device_train_batch_size=2, max_steps=4,
+              learning_rate=5e-2)
+    tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, sync_every=every), train_dataset=pref_data(),
                              processing_class=tiny.tiny_tokenizer(), peft_config=_peft_config())
+    _adapter_lag(tr, every, 4)
+
+
+def test_grpo_peft_humanline_syncs_a_reference_adapter(tiny_path):
+    """GRPO: TRL's own reference forward uses the "ref" adapter, which humanline keeps synced."""
+    kw = dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/g-peft", max_steps=3, learning_rate=5e-2, beta=0.0)
+    tr = HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
+                              args=HumanlineGRPOConfig(**kw), processing_class=tiny.tiny_tokenizer(),
+                              peft_config=_peft_config())
+    _adapter_lag(tr, 1, 3)
+    assert tr.hk_sync.num_syncs == 3
 
 
 def test_kto_peft_humanline_trains_with_a_reference_adapter(tiny_path):

@@ -44,7 +44,10 @@ from .._clip import HumanlineClip
 from ._head import FUSED_MODES, install_head
 from .transformers import HumanlineSyncCallback
 
-HK_REF_ADAPTER = "humanline_reference"  # the frozen reference adapter the trainers add to a PEFT policy
+# The frozen reference adapter the trainers keep on a PEFT policy: TRL's own name for a PEFT reference adapter, so
+# TRL's reference forwards (GRPO's included) use it; an existing "ref" adapter (TRL's re-training convention: the
+# initial copy of the adapter) is the starting reference and is then synced.
+HK_REF_ADAPTER = "ref"
 
 __all__ = ["HumanlineDPOConfig", "HumanlineKTOConfig", "HumanlineGRPOConfig", "HumanlineDPOTrainer",
            "HumanlineKTOTrainer", "HumanlineGRPOTrainer"]
@@ -181,10 +184,6 @@ class _HumanlineMixin:
         with torch.no_grad(), ckpt:
             if self.ref_model is None and is_peft_model(self.model):
                 unwrapped = self.accelerator.unwrap_model(self.model)
-                if self.hk_ref_adapter is not None:  # humanline: the synced reference adapter
-                    from ..sync._adapters import reference_adapter
-                    with reference_adapter(unwrapped, self.hk_ref_adapter, eval_mode=False):
-                        return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                     return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
             return self.ref_model(**kwargs, labels=labels, fused_lm_head=True).log_probs
@@ -423,9 +422,6 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
                 f"{name}: vLLM importance-sampling correction (TRL's per-token sampling ratio) is not applied by the "
                 "humanline GRPO loss; set vllm_importance_sampling_correction=False")
         if self.hk_humanline:
-            _refuse(peft_config is not None or (isinstance(model, torch.nn.Module) and is_peft_model(model)),
-                    f"{name}: humanline with a PEFT policy is supported by the DPO and KTO trainers (a synced "
-                    "reference adapter); for GRPO it is not yet: train without PEFT or set humanline=False")
             gen_every = args.steps_per_generation * args.num_iterations
             _refuse(gen_every != args.gradient_accumulation_steps,
                     f"{name}: with humanline the reference log-probs of a generation batch must all come from the "
@@ -440,8 +436,8 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
         finally:
             args.beta = beta
         self.beta = beta
-        if self.ref_model is None and (ref_model is not None or self.hk_humanline):
-            self.ref_model = self._hk_prepare_ref(ref_model)
+        if self.ref_model is None and (ref_model is not None or (self.hk_humanline and not is_peft_model(self.model))):
+            self.ref_model = self._hk_prepare_ref(ref_model)  # a PEFT policy gets a reference adapter instead
         self._hk_setup(temperature=self.temperature)
 
     def _hk_prepare_ref(self, ref_model):
