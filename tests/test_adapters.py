@@ -151,3 +151,81 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="adapter 'reference' not found"):
         with hk.reference_adapter(model):
             pass
+
+
+# ---- distributed (gloo, world size 2): the adapters are replicated (DDP) or sharded like their layer (FSDP2) ---
+def _grads_full(model):
+    return [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for p in _trainable(model)]
+
+
+def _dist_adapter_case(wrap, wrap_ref, every):
+    import torch.distributed as dist
+    data = _batches(4, seed=10 + dist.get_rank())  # each rank its own shard of the data
+    base = _model("lora")  # seeded: the same on every rank
+
+    def run(model, ref_fn, syncer):
+        opt = torch.optim.AdamW(_trainable(model), lr=5e-2)
+        out = []
+        for ids, labels in data:
+            ref = ref_fn(ids, labels)
+            syncer.start()
+            loss, _ = hk.losses.dpo(_logps(model, ids, labels), ref, labels != -100, beta=0.5)
+            loss.backward()
+            grads = _grads_full(model)
+            syncer.wait()
+            opt.step()
+            opt.zero_grad()
+            out.append((ref, loss.detach(), grads))
+        return out
+
+    full_pol, full_ref = wrap(copy.deepcopy(base)), wrap_ref(copy.deepcopy(base).eval().requires_grad_(False))
+
+    def full_fn(ids, labels):
+        with torch.no_grad():
+            return _logps(full_ref, ids, labels)
+    full = run(full_pol, full_fn, hk.ReferenceSyncer(full_pol, full_ref, every=every, overlap=False))
+    pol = copy.deepcopy(base)
+    hk.ReferenceSyncer.for_adapters(pol)  # add the reference adapter before wrapping, so it is wrapped alike
+    pol = wrap(pol)
+    syncer = hk.ReferenceSyncer.for_adapters(pol, every=every, overlap=False)
+
+    def adapter_fn(ids, labels):
+        with torch.no_grad(), hk.reference_adapter(pol):
+            return _logps(pol, ids, labels)
+    ours = run(pol, adapter_fn, syncer)
+    for t, ((ra, la, ga), (rb, lb, gb)) in enumerate(zip(ours, full)):
+        torch.testing.assert_close(ra, rb, rtol=1e-5, atol=1e-6, msg=f"step {t}: reference log-probs")
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6, msg=f"step {t}: loss")
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6, msg=f"step {t}: gradient")
+
+
+def _ddp_worker(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    _dist_adapter_case(DDP, lambda m: m, every=1)
+    _dist_adapter_case(DDP, lambda m: m, every=2)
+
+
+def test_ddp():
+    from _dist import run
+    run(_ddp_worker)
+
+
+def _fsdp2(model):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp2_worker(rank, world):
+    _dist_adapter_case(_fsdp2, _fsdp2, every=1)
+    _dist_adapter_case(_fsdp2, _fsdp2, every=2)
+
+
+def test_fsdp2():
+    from _dist import run
+    run(_fsdp2_worker)

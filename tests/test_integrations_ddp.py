@@ -110,6 +110,18 @@ def _trainer_worker(rank, world, port, out_dir):
                      "before": before, "policy": [p.detach().clone() for p in tr.model.parameters()],
                      "wrapped": type(tr.model_wrapped).__name__,
                      "kl": [h["kl"] for h in tr.state.log_history if "kl" in h]}
+    # PEFT: no reference model; the frozen "ref" adapter is replicated like the trained one and synced on each rank
+    import peft
+    tr = HumanlineDPOTrainer(path, args=dpo_args, train_dataset=T.pref_data(), processing_class=tok,
+                             peft_config=peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+    def adapter(name):
+        return [p.detach().clone() for n, p in tr.model.named_parameters() if f".{name}." in n]
+    before = adapter("ref")
+    tr.train()
+    res["dpo_peft"] = {"ref": adapter("ref"), "syncs": tr.hk_sync.num_syncs, "before": before,
+                       "policy": adapter("default"), "wrapped": type(tr.model_wrapped).__name__,
+                       "ref_model": tr.ref_model is None}
     torch.save(res, os.path.join(out_dir, f"trainers{rank}.pt"))
 
 
@@ -121,7 +133,8 @@ def test_trainers_ddp_gloo_world2(tmp_path):
     tiny.tiny_tokenizer().save_pretrained(str(tmp_path / "tiny"))
     mp.spawn(_trainer_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"trainers{r}.pt") for r in range(2))
-    for name in ("kto", "dpo"):
+    assert r0["dpo_peft"]["ref_model"] and r0["dpo_peft"]["ref"]
+    for name in ("kto", "dpo", "dpo_peft"):
         a, b = r0[name], r1[name]
         assert a["wrapped"] == "DistributedDataParallel" and a["syncs"] == b["syncs"] == 2
         for x, y, z in zip(a["ref"], b["ref"], a["policy"]):

@@ -276,3 +276,31 @@ def test_kto_peft_humanline_trains_with_a_reference_adapter(tiny_path):
     # after two steps with every = 1 the reference adapter holds the trained adapter of step 1 (not the initial one)
     assert any(not torch.equal(ref[n], before[n]) for n in before)
     assert tr.hk_sync.num_syncs == 2
+
+
+def test_dpo_peft_ref_adapter_humanline_off_matches_trl(tiny_path):
+    """humanline=False with a PEFT model given as such (re-training an adapter): TRL adds its "ref" adapter, an
+    initial copy, and both trainers use it as the reference."""
+    peft = pytest.importorskip("peft")
+    tok = tiny.tiny_tokenizer()
+    kw = dict(COMMON, output_dir=tiny_path + "/peft-ref", per_device_train_batch_size=3, max_steps=1)
+
+    def model():
+        m = peft.get_peft_model(tiny.tiny_model(), _peft_config())
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_" in n:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        return m
+    stock = DPOTrainer(model(), args=DPOConfig(**kw), train_dataset=pref_data(), processing_class=tok)
+    ours = HumanlineDPOTrainer(model(), args=HumanlineDPOConfig(**kw, humanline=False), train_dataset=pref_data(),
+                               processing_class=tok)
+    assert "ref" in stock.model.peft_config and "ref" in ours.model.peft_config
+    with torch.no_grad():  # move the trained adapter away from its "ref" copy, the same in both
+        for (n, p), q in zip(stock.model.named_parameters(), ours.model.parameters()):
+            if ".default." in n:
+                p.add_(0.1 * torch.randn_like(p))
+                q.copy_(p)
+    inputs = stock._prepare_inputs(next(iter(stock.get_train_dataloader())))
+    _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs))

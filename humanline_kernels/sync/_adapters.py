@@ -18,7 +18,8 @@ import functools
 import torch
 from torch import nn
 
-from ._backends import Pairs
+from ._backends import Pairs, _local, _unwrap
+from ._lookahead import _reshard_fsdp2
 from ._syncer import ReferenceSyncer
 
 SUPPORTED = ("LORA", "IA3")
@@ -62,6 +63,7 @@ class AdapterSyncer(ReferenceSyncer):
 
     def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
                  overlap: bool = True, use_kernel: bool | None = None):
+        peft_model = _unwrap(peft_model)  # DDP / torch.compile wrappers; FSDP2 shards in place (DTensors)
         configs = getattr(peft_model, "peft_config", None)
         if not isinstance(configs, dict) or not hasattr(peft_model, "add_adapter"):
             raise ValueError(f"for_adapters needs a PEFT model (peft.PeftModel), got {type(peft_model).__name__}")
@@ -90,7 +92,7 @@ class AdapterSyncer(ReferenceSyncer):
         if created:  # the reference starts as the trained adapter (the initial policy)
             with torch.no_grad():
                 for ref, src in _pairs(peft_model, train, reference):
-                    params[ref].copy_(params[src])
+                    _data(params[ref]).copy_(_data(params[src]))
 
     def _collect(self):
         model = self.policy
@@ -114,7 +116,9 @@ class _Same(nn.Module):
 
 
 def _data(p):
-    return p.data
+    """The rank-local data of a parameter: a replica (plain, DDP) or the local shard of an FSDP2 DTensor (both
+    adapters live in the same modules, so they are sharded alike)."""
+    return _local(p.data)
 
 
 @contextlib.contextmanager
@@ -123,6 +127,7 @@ def reference_adapter(peft_model: nn.Module, name: str = "reference", eval_mode:
     reference model is kept: no dropout). The previously active adapter, every submodule's train/eval mode and
     every parameter's ``requires_grad`` are restored afterwards, also when the forward raises (PEFT's
     ``set_adapter`` changes which adapter is trainable)."""
+    peft_model = _unwrap(peft_model)
     if name not in getattr(peft_model, "peft_config", {}):
         raise ValueError(f"adapter {name!r} not found; create it with hk.ReferenceSyncer.for_adapters(...)")
     previous = peft_model.active_adapter
@@ -139,3 +144,6 @@ def reference_adapter(peft_model: nn.Module, name: str = "reference", eval_mode:
             p.requires_grad_(flag)
         for m, training in modes:
             m.training = training
+        # FSDP2 keeps the root's parameters unsharded after a forward that no backward follows; a later forward
+        # would reuse them, stale once a sync or an update has written the shards
+        _reshard_fsdp2(peft_model)
