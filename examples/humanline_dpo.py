@@ -28,8 +28,8 @@ def write_toy_preferences(path=DATA, n=48):
     return path
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(description=__doc__):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny' (random-init, CPU) or a hub id / local path")
     p.add_argument("--data", default=None, help="jsonl with prompt/chosen/rejected (default: the toy file)")
     p.add_argument("--output-dir", default=None, help="default: a new temporary directory")
@@ -43,8 +43,16 @@ def main(argv=None):
     p.add_argument("--fused", default="linear", choices=["linear", "logits", "off"])
     p.add_argument("--no-humanline", action="store_true", help="plain DPO through the same code path")
     p.add_argument("--bf16", action="store_true")
-    a = p.parse_args(argv)
+    return p
 
+
+def main(argv=None):
+    return train(make_parser().parse_args(argv))
+
+
+def train(a, peft_config=None):
+    """Train with the parsed flags ``a``; with ``peft_config`` the policy is a PEFT model (no reference model: the
+    trainer keeps a synced reference adapter)."""
     import torch
     from datasets import load_dataset
 
@@ -55,7 +63,7 @@ def main(argv=None):
     tiny.quiet_trl_deprecations()
     model, tok = tiny.load(a.model, dtype=torch.bfloat16 if a.bf16 else torch.float32)
     # The tiny model has no hub id, so bring the reference ourselves (a real model's is loaded by TRL).
-    ref = tiny.load(a.model, dtype=model.dtype)[0] if a.model == "tiny" else None
+    ref = tiny.load(a.model, dtype=model.dtype)[0] if a.model == "tiny" and peft_config is None else None
     if ref is not None:
         ref.load_state_dict(model.state_dict())
     args = HumanlineDPOConfig(
@@ -67,7 +75,8 @@ def main(argv=None):
         humanline=not a.no_humanline, sync_every=a.sync_every, log_eps_p=a.log_eps_p, log_eps_r=a.log_eps_r,
         fused=a.fused,
     )
-    trainer = HumanlineDPOTrainer(model, ref_model=ref, args=args, train_dataset=ds, processing_class=tok)
+    trainer = HumanlineDPOTrainer(model, ref_model=ref, args=args, train_dataset=ds, processing_class=tok,
+                                  peft_config=peft_config)
     trainer.train()
     last = [h for h in trainer.state.log_history if "loss" in h][-1]
     print(json.dumps({k: last[k] for k in ("loss", "rewards/margins", "humanline/unclipped_frac") if k in last}))

@@ -229,3 +229,20 @@ def _fsdp2_worker(rank, world):
 def test_fsdp2():
     from _dist import run
     run(_fsdp2_worker)
+
+
+def test_name_clash_with_another_configuration_is_refused():
+    model = _model("lora")
+    model.add_adapter("reference", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="exists with another configuration"):
+        hk.ReferenceSyncer.for_adapters(model)
+    ia3 = _model("ia3")
+    ia3.add_adapter("reference", CONFIGS["ia3"]())
+    hk.ReferenceSyncer.for_adapters(ia3)  # same type and configuration: adopted (and frozen)
+    assert not any(p.requires_grad for n, p in ia3.named_parameters() if ".reference." in n)
+
+
+def test_resume_keeps_the_sync_phase():
+    syncer = hk.ReferenceSyncer.for_adapters(_model("lora"), every=3, overlap=False)
+    syncer.load_state_dict(syncer.state_dict() | {"step": 4})
+    assert [syncer.sync() for _ in range(5)] == [False, False, True, False, False]  # steps 4..8: 6 syncs

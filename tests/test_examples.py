@@ -36,6 +36,15 @@ def test_lookahead_loop_trains_like_the_synced_plain_loop():
             assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a["step"], k, a[k], b[k])
 
 
+def test_lora_dpo_example(tmp_path):
+    pytest.importorskip("peft")
+    tr, per_sync, full = _load("humanline_lora_dpo").main(["--max-steps", "2", "--batch-size", "2", "--lora-r", "2",
+                                                          "--output-dir", str(tmp_path), "--fused", "logits"])
+    assert tr.ref_model is None and tr.hk_sync.num_syncs == 2
+    assert 0 < per_sync < full / 5
+    assert all(math.isfinite(h["loss"]) for h in tr.state.log_history if "loss" in h)
+
+
 def test_dpo_example(tmp_path):
     tr = _load("humanline_dpo").main(["--max-steps", "2", "--batch-size", "2", "--output-dir", str(tmp_path),
                                       "--fused", "logits"])

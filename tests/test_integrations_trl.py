@@ -240,15 +240,45 @@ def _adapter_lag(tr, every, steps):
         assert any(not torch.equal(a, b) for a, b in zip(snap.train[t], snap.train[t - 1]))
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_dpo_peft_humanline_syncs_a_reference_adapter(tiny_path, every):
-    """humanline=True with PEFT: a frozen reference adapter (TRL's "ref"), synced before each sync step's
-    update; no reference model."""
-    kw = dict(COMMON, output_dir=tiny_path + "/peft-on", per_device_train_batch_size=2, max_steps=4,
-              learning_rate=5e-2)
+@pytest.mark.parametrize("every,accum", [(1, 1), (3, 1), (3, 2)])
+def test_dpo_peft_humanline_reference_is_the_pre_update_peft_model(tiny_path, every, accum):
+    """humanline=True with PEFT: at every step the reference log-probs equal those of a deep copy of the PEFT model
+    taken just before the update of the last sync step; the reference adapter (TRL's "ref") is frozen, never gets
+    a gradient and is not in the optimizer; no reference model."""
+    import copy
+
+    from transformers import TrainerCallback
+    kw = dict(COMMON, output_dir=tiny_path + "/peft-on", per_device_train_batch_size=2, max_steps=5,
+              learning_rate=5e-2, gradient_accumulation_steps=accum)
     tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, sync_every=every), train_dataset=pref_data(),
                              processing_class=tiny.tiny_tokenizer(), peft_config=_peft_config())
-    _adapter_lag(tr, every, 4)
+    snaps, calls = [], []
+
+    class Snap(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **k):
+            snaps.append(copy.deepcopy(tr.accelerator.unwrap_model(tr.model)))
+
+    ref_forward = tr._hk_ref_forward
+
+    def recording(kwargs, labels):
+        out = ref_forward(kwargs, labels)
+        if tr.model.training:
+            calls.append((tr.state.global_step, {k: v.clone() for k, v in kwargs.items() if torch.is_tensor(v)},
+                          labels.clone(), out.detach().clone()))
+        return out
+    tr._hk_ref_forward = recording
+    tr.add_callback(Snap())
+    _adapter_lag(tr, every, 5)
+    assert len(calls) == 5 * accum
+    for t, kwargs, labels, out in calls:
+        s = ((t - 1) // every) * every if t else 0
+        with torch.no_grad():
+            expect = snaps[s](**kwargs, use_cache=False, labels=labels, fused_lm_head=True).log_probs
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+    ref_params = [p for n, p in tr.model.named_parameters() if ".ref." in n]
+    assert all(p.grad is None for p in ref_params)
+    in_opt = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in in_opt for p in ref_params) and in_opt
 
 
 def test_grpo_peft_humanline_syncs_a_reference_adapter(tiny_path):
@@ -261,21 +291,14 @@ def test_grpo_peft_humanline_syncs_a_reference_adapter(tiny_path):
     assert tr.hk_sync.num_syncs == 3
 
 
-def test_kto_peft_humanline_trains_with_a_reference_adapter(tiny_path):
-    from humanline_kernels.integrations.trl import HK_REF_ADAPTER
-    tok = tiny.tiny_tokenizer()
-    kw = dict(COMMON, output_dir=tiny_path + "/kto-peft", per_device_train_batch_size=4, max_steps=2,
-              learning_rate=5e-2)
-    tr = HumanlineKTOTrainer(tiny_path, args=HumanlineKTOConfig(**kw), train_dataset=kto_data(), processing_class=tok,
-                             peft_config=_peft_config())
-    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if ".default." in n}
-    tr.train()
-    ref = {n.replace(f".{HK_REF_ADAPTER}.", ".default."): p for n, p in tr.model.named_parameters()
-           if f".{HK_REF_ADAPTER}." in n}
-    assert tr.ref_model is None and ref.keys() == before.keys()
-    # after two steps with every = 1 the reference adapter holds the trained adapter of step 1 (not the initial one)
-    assert any(not torch.equal(ref[n], before[n]) for n in before)
-    assert tr.hk_sync.num_syncs == 2
+@pytest.mark.parametrize("every,accum", [(1, 1), (3, 2)])
+def test_kto_peft_humanline_syncs_a_reference_adapter(tiny_path, every, accum):
+    kw = dict(COMMON, output_dir=tiny_path + "/kto-peft", per_device_train_batch_size=4, max_steps=4,
+              learning_rate=5e-2, gradient_accumulation_steps=accum)
+    tr = HumanlineKTOTrainer(tiny_path, args=HumanlineKTOConfig(**kw, sync_every=every), train_dataset=kto_data(),
+                             processing_class=tiny.tiny_tokenizer(), peft_config=_peft_config())
+    _adapter_lag(tr, every, 4)
+    assert tr.hk_sync.num_syncs == len(range(0, 4, every))
 
 
 def test_dpo_peft_ref_adapter_humanline_off_matches_trl(tiny_path):

@@ -87,7 +87,11 @@ class AdapterSyncer(ReferenceSyncer):
         super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel)
         self.train_adapter, self.reference_adapter = train, reference
         params = dict(peft_model.named_parameters())
-        for ref, _ in _pairs(peft_model, train, reference):
+        for ref, src in _pairs(peft_model, train, reference):
+            if params[ref].shape != params[src].shape:
+                raise ValueError(f"adapter {reference!r} exists with another configuration than {train!r} ({ref} "
+                                 f"has shape {tuple(params[ref].shape)}, {src} {tuple(params[src].shape)}); "
+                                 "choose another reference name or remove it")
             params[ref].requires_grad_(False)  # frozen: never in an optimizer built from trainable parameters
         if created:  # the reference starts as the trained adapter (the initial policy)
             with torch.no_grad():
