@@ -281,14 +281,16 @@ def test_dpo_peft_humanline_reference_is_the_pre_update_peft_model(tiny_path, ev
     assert not any(id(p) in in_opt for p in ref_params) and in_opt
 
 
-def test_grpo_peft_humanline_syncs_a_reference_adapter(tiny_path):
+@pytest.mark.parametrize("every,accum", [(1, 1), (3, 2)])
+def test_grpo_peft_humanline_syncs_a_reference_adapter(tiny_path, every, accum):
     """GRPO: TRL's own reference forward uses the "ref" adapter, which humanline keeps synced."""
-    kw = dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/g-peft", max_steps=3, learning_rate=5e-2, beta=0.0)
+    kw = dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/g-peft", max_steps=4, learning_rate=5e-2, beta=0.0,
+              gradient_accumulation_steps=accum, steps_per_generation=accum)
     tr = HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
-                              args=HumanlineGRPOConfig(**kw), processing_class=tiny.tiny_tokenizer(),
+                              args=HumanlineGRPOConfig(**kw, sync_every=every), processing_class=tiny.tiny_tokenizer(),
                               peft_config=_peft_config())
-    _adapter_lag(tr, 1, 3)
-    assert tr.hk_sync.num_syncs == 3
+    _adapter_lag(tr, every, 4)
+    assert tr.hk_sync.num_syncs == len(range(0, 4, every))
 
 
 @pytest.mark.parametrize("every,accum", [(1, 1), (3, 2)])
