@@ -1,5 +1,5 @@
-"""Humanline GRPO with TRL and a rule-based reward (toy arithmetic: reward 1 when the completion starts with the
-right sum, plus a small bonus for stopping early).
+"""Humanline GRPO with TRL and rule-based rewards (toy arithmetic: reward 1 when the completion starts with the
+right sum, a small bonus for stopping early, and a small shaping reward for digits).
 
 CPU smoke run (tiny random-init model):
     python examples/humanline_grpo.py --max-steps 3
@@ -35,6 +35,13 @@ def correctness_reward(completions, answer, **kwargs):
     return out
 
 
+def digits_reward(completions, **kwargs):
+    """Shaping: 0.2 x the fraction of the completion's characters that are digits (an answer is a number). Gives
+    an untrained model a reward that differs between the completions of a group, hence a non-zero advantage and
+    gradient from the first step (the correctness reward alone is 0 for every completion of a random model)."""
+    return [0.2 * sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny' (random-init, CPU) or a hub id / local path")
@@ -67,11 +74,11 @@ def main(argv=None):
         humanline=True, sync_every=a.sync_every, log_eps_p=a.log_eps_p, log_eps_r=a.log_eps_r, fused=a.fused,
     )
     # With humanline the trainer builds the reference (a copy of the policy) even when beta == 0.
-    trainer = HumanlineGRPOTrainer(model, reward_funcs=correctness_reward, args=args,
+    trainer = HumanlineGRPOTrainer(model, reward_funcs=[correctness_reward, digits_reward], args=args,
                                    train_dataset=arithmetic_dataset(), processing_class=tok)
     trainer.train()
     last = [h for h in trainer.state.log_history if "loss" in h][-1]
-    print(json.dumps({k: last[k] for k in ("loss", "reward", "humanline/unclipped_frac") if k in last}))
+    print(json.dumps({k: last[k] for k in ("loss", "reward", "grad_norm", "humanline/unclipped_frac") if k in last}))
     return trainer
 
 

@@ -250,20 +250,51 @@ def _print_table(rows, base, prep, objective, steps, device, clip, sync_every, o
           file=out)
 
 
+def _int_at_least(low):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    return parse
+
+
+def _positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return v
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m humanline_kernels.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--objective", choices=["dpo", "kto", "grpo"], default="dpo")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--sync-every", type=int, default=None, help="default: 1 (dpo, kto), 12 (grpo)")
-    p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--log-eps-p", type=float, default=-1.5)
-    p.add_argument("--log-eps-r", type=float, default=1.5)
+    p = argparse.ArgumentParser(prog="python -m humanline_kernels.demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--objective", choices=["dpo", "kto", "grpo"], default="dpo", help="the loss to train")
+    p.add_argument("--steps", type=_int_at_least(1), default=200, help="optimizer steps per run")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda when available, else cpu")
+    p.add_argument("--batch", type=_int_at_least(2), default=32, help="sequences per step (DPO: pairs x 2)")
+    p.add_argument("--lr", type=_positive_float, default=2e-4, help="learning rate")
+    p.add_argument("--sync-every", type=_int_at_least(1), default=None,
+                   help="humanline sync interval (default: 1 for dpo/kto, 12 for grpo)")
+    p.add_argument("--sft-steps", type=_int_at_least(0), default=150, help="steps that train the behaviour model")
+    p.add_argument("--log-eps-p", type=float, default=-1.5, help="lower end of the clip band")
+    p.add_argument("--log-eps-r", type=float, default=1.5, help="upper end of the clip band")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
+    if not (a.log_eps_p <= a.log_eps_r) or any(v != v or abs(v) == float("inf") for v in (a.log_eps_p, a.log_eps_r)):
+        p.error(f"the clip band must be finite with --log-eps-p <= --log-eps-r, got [{a.log_eps_p}, {a.log_eps_r}]")
+    if a.objective == "dpo" and a.batch % 2:
+        p.error(f"--batch must be even for dpo (chosen and rejected rows), got {a.batch}")
     run(a.objective, a.steps, a.seed, a.device, a.batch, a.lr, a.sft_steps,
         clip=hk.HumanlineClip(a.log_eps_p, a.log_eps_r), sync_every=a.sync_every, quiet=a.quiet)
     return 0

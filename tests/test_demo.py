@@ -42,3 +42,24 @@ def test_demo_cli():
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr
     assert "humanline dpo" in p.stdout and "rule_rate" in p.stdout
+
+
+@pytest.mark.parametrize("flags", [["--steps", "0"], ["--device", "gpu"], ["--device", "cuda"],
+                                   ["--log-eps-p", "2", "--log-eps-r", "1"], ["--sync-every", "0"], ["--lr", "-1"],
+                                   ["--lr", "nan"], ["--batch", "3"], ["--batch", "x"]])
+def test_bad_flags_are_one_line_argparse_errors(flags, monkeypatch, capsys):
+    from humanline_kernels import demo
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)  # "--device cuda" without CUDA
+    with pytest.raises(SystemExit) as e:
+        demo.main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1, err
+
+
+def test_help_shows_defaults(capsys):
+    from humanline_kernels import demo
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "(default: 200)" in out and "(default: dpo)" in out
