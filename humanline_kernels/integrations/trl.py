@@ -151,15 +151,14 @@ class _HumanlineMixin:
         if self.ref_model is not None:
             install_head(_hf_module(self.ref_model), self.hk_fused, temperature, entropy=False)
         self.hk_sync = None
-        self.hk_ref_adapter = None
         if self.hk_humanline and peft_policy:
             # PEFT: the reference is a frozen second adapter synced from the trained one (TRL's adapter-disabled
-            # reference is the base model, not the pre-update policy that humanline needs)
+            # reference is the base model, not the pre-update policy that humanline needs); added now, before
+            # accelerate wraps the model, so that DDP / FSDP wrap it like the trained adapter
+            from ..sync._adapters import ensure_reference_adapter
             unwrapped = self.accelerator.unwrap_model(self.model)
             train_adapter = unwrapped.active_adapter
-            self.hk_ref_adapter = HK_REF_ADAPTER
-            from ..sync._adapters import AdapterSyncer
-            AdapterSyncer(unwrapped, train=train_adapter, reference=HK_REF_ADAPTER)  # creates and freezes it
+            ensure_reference_adapter(unwrapped, train=train_adapter, reference=HK_REF_ADAPTER)
             self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, adapters=(train_adapter, HK_REF_ADAPTER))
             self.hk_sync._allow_deepspeed = True
             self.add_callback(self.hk_sync)

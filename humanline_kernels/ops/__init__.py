@@ -18,18 +18,18 @@ from . import eager
 MODE_RATIO, MODE_GRPO = 1, 2  # token_terms_fwd modes: clipped log-ratio (DPO/KTO), GRPO term
 
 
-_TRITON = None
+_JIT = None  # the ops._jit module once triton imported, False when it cannot
 
 
 def triton_available() -> bool:
-    global _TRITON
-    if _TRITON is None:
+    global _JIT
+    if _JIT is None:
         try:
-            from . import _jit  # noqa: F401  (imports triton)
-            _TRITON = True
+            from . import _jit  # imports triton
+            _JIT = _jit
         except Exception:  # pragma: no cover - triton missing or broken
-            _TRITON = False
-    return _TRITON
+            _JIT = False
+    return _JIT is not False
 
 
 # CPU tensors take the interpreted kernels when TRITON_INTERPRET=1 (read at call time); while the variable is unset,
@@ -43,8 +43,7 @@ def use_triton(t: torch.Tensor) -> bool:
     tensors under ``TRITON_INTERPRET=1`` (see :mod:`._jit`)."""
     if not triton_available():
         return False
-    from ._jit import COMPILED_DEVICES
-    if t.device.type in COMPILED_DEVICES:
+    if t.device.type in _JIT.COMPILED_DEVICES:
         return True
     if t.device.type != "cpu":
         return False
@@ -67,8 +66,7 @@ def _numpy_available() -> bool:
 
 def _eager(name):
     if triton_available():
-        from ._jit import count_eager
-        count_eager(name)
+        _JIT.count_eager(name)
 
 
 def _triton_ok(logits: torch.Tensor) -> bool:

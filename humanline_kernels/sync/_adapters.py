@@ -55,48 +55,52 @@ def _pairs(model: nn.Module, train: str, reference: str):
     return out
 
 
+def ensure_reference_adapter(peft_model: nn.Module, train: str = "default", reference: str = "reference"):
+    """Create adapter ``reference`` of ``peft_model`` as a copy of ``train`` when it is missing (adopt it when it
+    exists with the same configuration), and freeze it. Returns the unwrapped PEFT model. Call it before wrapping
+    the model with DDP / FSDP, so that the reference adapter is wrapped like the trained one."""
+    peft_model = _unwrap(peft_model)  # DDP / torch.compile wrappers; FSDP2 shards in place (DTensors)
+    configs = getattr(peft_model, "peft_config", None)
+    if not isinstance(configs, dict) or not hasattr(peft_model, "add_adapter"):
+        raise ValueError(f"for_adapters needs a PEFT model (peft.PeftModel), got {type(peft_model).__name__}")
+    if train not in configs:
+        raise ValueError(f"adapter {train!r} not found; the model has {sorted(configs)}")
+    if train == reference:
+        raise ValueError("train and reference must be different adapters")
+    kind = _peft_type(configs[train])
+    if kind not in SUPPORTED:
+        raise ValueError(f"adapter {train!r} is of type {kind}; humanline adapter syncing supports "
+                         f"{', '.join(SUPPORTED)} (LoRA includes DoRA)")
+    created = reference not in configs
+    if created:
+        active = peft_model.active_adapter
+        peft_model.add_adapter(reference, copy.deepcopy(configs[train]))
+        if peft_model.active_adapter != active:  # PEFT does not activate it; keep it that way regardless
+            peft_model.set_adapter(active)
+    params = dict(peft_model.named_parameters())
+    for ref, src in _pairs(peft_model, train, reference):
+        if params[ref].shape != params[src].shape:
+            raise ValueError(f"adapter {reference!r} exists with another configuration than {train!r} ({ref} "
+                             f"has shape {tuple(params[ref].shape)}, {src} {tuple(params[src].shape)}); "
+                             "choose another reference name or remove it")
+        params[ref].requires_grad_(False)  # frozen: never in an optimizer built from trainable parameters
+        if created:  # the reference starts as the trained adapter (the initial policy)
+            with torch.no_grad():
+                _data(params[ref]).copy_(_data(params[src]))
+    return peft_model
+
+
 class AdapterSyncer(ReferenceSyncer):
     """``ReferenceSyncer`` whose reference is the adapter ``reference`` of ``peft_model`` and whose policy is the
     adapter ``train`` (same protocol: ``start()``, ``wait()``, ``sync()``, ``state_dict()``). Built by
-    :meth:`ReferenceSyncer.for_adapters`: creates the reference adapter when missing (a copy of the trained one,
-    frozen), freezes it when present."""
+    :meth:`ReferenceSyncer.for_adapters`, which calls :func:`ensure_reference_adapter` first."""
 
     def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
                  overlap: bool = True, use_kernel: bool | None = None):
-        peft_model = _unwrap(peft_model)  # DDP / torch.compile wrappers; FSDP2 shards in place (DTensors)
-        configs = getattr(peft_model, "peft_config", None)
-        if not isinstance(configs, dict) or not hasattr(peft_model, "add_adapter"):
-            raise ValueError(f"for_adapters needs a PEFT model (peft.PeftModel), got {type(peft_model).__name__}")
-        if train not in configs:
-            raise ValueError(f"adapter {train!r} not found; the model has {sorted(configs)}")
-        if train == reference:
-            raise ValueError("train and reference must be different adapters")
-        kind = _peft_type(configs[train])
-        if kind not in SUPPORTED:
-            raise ValueError(f"adapter {train!r} is of type {kind}; humanline adapter syncing supports "
-                             f"{', '.join(SUPPORTED)} (LoRA includes DoRA)")
-        created = reference not in configs
-        if created:
-            active = peft_model.active_adapter
-            peft_model.add_adapter(reference, copy.deepcopy(configs[train]))
-            if peft_model.active_adapter != active:  # PEFT does not activate it; keep it that way regardless
-                peft_model.set_adapter(active)
-        elif _peft_type(configs[reference]) != kind:
-            raise ValueError(f"adapter {reference!r} is of type {_peft_type(configs[reference])}, not {kind}")
+        peft_model = ensure_reference_adapter(peft_model, train, reference)
         # the syncer's policy/reference are the same module: the pairs come from the adapter names instead
         super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel)
         self.train_adapter, self.reference_adapter = train, reference
-        params = dict(peft_model.named_parameters())
-        for ref, src in _pairs(peft_model, train, reference):
-            if params[ref].shape != params[src].shape:
-                raise ValueError(f"adapter {reference!r} exists with another configuration than {train!r} ({ref} "
-                                 f"has shape {tuple(params[ref].shape)}, {src} {tuple(params[src].shape)}); "
-                                 "choose another reference name or remove it")
-            params[ref].requires_grad_(False)  # frozen: never in an optimizer built from trainable parameters
-        if created:  # the reference starts as the trained adapter (the initial policy)
-            with torch.no_grad():
-                for ref, src in _pairs(peft_model, train, reference):
-                    _data(params[ref]).copy_(_data(params[src]))
 
     def _collect(self):
         model = self.policy
