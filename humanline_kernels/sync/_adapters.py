@@ -18,8 +18,7 @@ import functools
 import torch
 from torch import nn
 
-from ._backends import Pairs, _local, _unwrap
-from ._lookahead import _reshard_fsdp2
+from ._backends import Pairs, _local, _unwrap, reshard_fsdp2
 from ._syncer import ReferenceSyncer
 
 SUPPORTED = ("LORA", "IA3")
@@ -152,6 +151,4 @@ def reference_adapter(peft_model: nn.Module, name: str = "reference", eval_mode:
             p.requires_grad_(flag)
         for m, training in modes:
             m.training = training
-        # FSDP2 keeps the root's parameters unsharded after a forward that no backward follows; a later forward
-        # would reuse them, stale once a sync or an update has written the shards
-        _reshard_fsdp2(peft_model)
+        reshard_fsdp2(peft_model)  # the reference forward had no backward: see reshard_fsdp2

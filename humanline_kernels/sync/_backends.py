@@ -105,6 +105,18 @@ def _fsdp2_cls():
             return None
 
 
+def reshard_fsdp2(model: nn.Module) -> None:
+    """Reshard every FSDP2 module of ``model`` (``FSDPModule.reshard`` is not recursive). FSDP2 keeps groups
+    unsharded after a forward that no backward follows (the root by default); a later forward would reuse that
+    all-gathered copy, stale once a sync or an optimizer step has written the shards."""
+    cls = _fsdp2_cls()
+    if cls is None:
+        return
+    for m in model.modules():
+        if isinstance(m, cls):
+            m.reshard()
+
+
 def detect(model: nn.Module) -> str:
     outer = model
     model = _unwrap(model)

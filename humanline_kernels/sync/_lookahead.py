@@ -29,6 +29,8 @@ import collections
 import torch
 from torch import nn
 
+from ._backends import reshard_fsdp2
+
 __all__ = ["LookaheadReference"]
 
 
@@ -112,7 +114,7 @@ class LookaheadReference:
         finally:
             for m, training in modes:
                 m.training = training
-            _reshard_fsdp2(self.policy)
+            reshard_fsdp2(self.policy)  # the window forward had no backward: see reshard_fsdp2
 
     def _fill(self, n):
         for batch in self._next_batches(n):
@@ -154,18 +156,6 @@ class LookaheadReference:
         if not self._loaded_refs:  # saved before step 0, or after the data ran out
             self._loaded_refs = None
             self._exhausted = bool(state.get("exhausted", False))
-
-
-def _reshard_fsdp2(model):
-    """FSDP2 keeps the root module's parameters unsharded after a forward that no backward follows; the next
-    training forward would then reuse them after ``optimizer.step()`` updated the shards (stale θ_s): reshard."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def _check_pairs(batch, ref, step):
