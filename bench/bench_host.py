@@ -51,10 +51,10 @@ def _calls(N, V, D, device, dtype):
         "fused_linear.dpo": lambda: grad(hk.fused_linear.dpo(h, w, y, ref, **kw)[0], (h, w)),
         "fused_linear.kto": lambda: grad(hk.fused_linear.kto(h, w, y, ref, des, **kw)[0], (h, w)),
     }
-    chunk_rows = max(1, (512 << 20) // (V * x.element_size()))
-    chunks = {"fused_linear.grpo": -(-N // chunk_rows),  # as ops/linear_chunks.py cuts them
-              "fused_linear.dpo": -(-(B // 2) // max(1, chunk_rows // (2 * T))),
-              "fused_linear.kto": -(-B // max(1, chunk_rows // T))}
+    from humanline_kernels.ops import linear_chunks as LC
+    rows = LC.max_rows_for(V, h.dtype, hk.fused_linear.CHUNK_BYTES)  # the chunks the calls above will cut
+    chunks = {"fused_linear.grpo": len(LC.token_chunks(N, rows)), "fused_linear.dpo": len(LC.pair_chunks(B, T, rows)),
+              "fused_linear.kto": len(LC.row_chunks(B, T, rows))}
     return calls, chunks
 
 
