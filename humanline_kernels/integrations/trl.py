@@ -35,6 +35,8 @@ import torch
 from accelerate.utils import is_peft_model
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.trainer import dpo_trainer as _dpo_module
+from trl.trainer import kto_trainer as _kto_module
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, disable_dropout_in_model,
                                get_config_model_id, use_adapter)
@@ -67,6 +69,9 @@ class _HumanlineFields:
     log_eps_r: float = _hk_field(1.5, "Upper end of the per-token log-ratio clip band (paper: 1.5).")
     sync_every: int = _hk_field(1, "Sync the reference from the policy every this many optimizer steps.")
     fused: str = _hk_field("linear", "Per-token log-probs: 'linear' (hidden+lm_head), 'logits' or 'off' (TRL's).")
+    humanline_reference: str = _hk_field(
+        "sync", "'sync': a reference model synced from the policy; 'lookahead' (DPO/KTO): no reference model, the "
+        "policy computes the reference log-probs of the coming steps' batches at each sync step.")
 
 
 def _hk_settings(args):
@@ -84,31 +89,57 @@ def _hk_settings(args):
     return humanline, (clip if humanline else None), every, fused
 
 
+_REFERENCE_MODES = ("sync", "lookahead")
+
+
+def _hk_reference_mode(args, name):
+    """Validated ``humanline_reference`` ("sync" or "lookahead") from a humanline or a plain TRL config."""
+    mode = getattr(args, "humanline_reference", "sync")
+    if mode not in _REFERENCE_MODES:
+        raise ValueError(f"{name}: humanline_reference must be one of {_REFERENCE_MODES}, got {mode!r}")
+    if mode == "lookahead" and not getattr(args, "humanline", True):
+        raise ValueError(f"{name}: humanline_reference='lookahead' needs humanline=True (with humanline off the "
+                         "reference is the fixed initial model; use humanline_reference='sync')")
+    return mode
+
+
+_GRPO_NO_LOOKAHEAD = (
+    "humanline_reference='lookahead' is not available for GRPO: its data is generated online, so the batch of "
+    "step t+1 (the policy's own completions after step t's update) does not exist at step t, before the update, "
+    "when the lookahead would have to compute its reference log-probs. Use humanline_reference='sync' (or a PEFT "
+    "policy, whose reference is a second adapter rather than a second model).")
 @dataclass
 class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
-    """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
+    """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
+    ``humanline_reference``."""
 
     def __post_init__(self):
         super().__post_init__()
         _hk_settings(self)
+        _hk_reference_mode(self, type(self).__name__)
 
 
 @dataclass
 class HumanlineKTOConfig(_HumanlineFields, KTOConfig):
-    """``trl.KTOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
+    """``trl.KTOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
+    ``humanline_reference``."""
 
     def __post_init__(self):
         super().__post_init__()
         _hk_settings(self)
+        _hk_reference_mode(self, type(self).__name__)
 
 
 @dataclass
 class HumanlineGRPOConfig(_HumanlineFields, GRPOConfig):
-    """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``."""
+    """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``
+    (``humanline_reference`` must stay "sync")."""
 
     def __post_init__(self):
         super().__post_init__()
         _hk_settings(self)
+        if _hk_reference_mode(self, type(self).__name__) == "lookahead":
+            raise ValueError(f"{type(self).__name__}: {_GRPO_NO_LOOKAHEAD}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,12 +166,53 @@ def _precheck_common(name, args, model, peft_config, humanline):
     _refuse(getattr(args, "padding_free", False), f"{name}: padding_free=True is not supported")
 
 
+def _precheck_lookahead(name, args, ref_model):
+    if ref_model is not None:
+        raise ValueError(f"{name}: humanline_reference='lookahead' uses no reference model (the policy computes the "
+                         "reference log-probs); do not pass ref_model, or use humanline_reference='sync'")
+    _refuse(str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"),
+            f"{name}: evaluation needs reference log-probs of the evaluation batches, which humanline_reference="
+            "'lookahead' does not have (no reference model); set eval_strategy='no' or use humanline_reference='sync'")
+
+
+@contextlib.contextmanager
+def _no_trl_reference(trainer, trl_module):
+    """Keep TRL from loading a reference model. TRL 1.16 (dpo_trainer.py 908-927, kto_trainer.py 919-938) loads one
+    with ``create_model_from_path(get_config_model_id(self.model.config), ...)`` when ``ref_model`` is None, unless
+    the policy is a PEFT model or ``precompute_ref_log_probs`` is set (which would precompute summed log-probs, hash
+    the model and, under FSDP, still load a reference). The same function loads a policy given by path earlier in
+    ``__init__``, before ``self.model`` is set (Trainer.__init__): so calls made once the trainer has its model
+    are the reference's, and get None (TRL then skips every reference step: ``if self.ref_model is not None``)."""
+    load = trl_module.create_model_from_path
+
+    def policy_only(*args, **kwargs):
+        return None if "model" in vars(trainer) else load(*args, **kwargs)
+    trl_module.create_model_from_path = policy_only
+    try:
+        yield
+    finally:
+        trl_module.create_model_from_path = load
+
+
 class _HumanlineMixin:
     """Set-up shared by the three trainers: head patching, the sync callback, metric logging."""
+
+    hk_lookahead = False  # humanline_reference="lookahead" (DPO / KTO only)
 
     def _hk_setup(self, temperature=1.0):
         name = type(self).__name__
         peft_policy = self.ref_model is None and is_peft_model(self.model)
+        self.hk_la, self.hk_la_syncs = None, 0
+        if self.hk_lookahead:
+            # no reference model and no reference adapter: the policy computes the reference log-probs
+            if self.ref_model is not None:
+                raise RuntimeError(f"{name}: TRL built a reference model despite humanline_reference='lookahead'")
+            _refuse(self.hk_fused != "off" and getattr(self, "aux_loss_enabled", False),
+                    f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
+            install_head(self.model.get_base_model() if is_peft_model(self.model) else self.model, self.hk_fused,
+                         temperature)
+            self.hk_sync = None
+            return
         if self.ref_model is None and self.hk_humanline and not peft_policy:
             raise ValueError(f"{name}: humanline needs a reference model (pass ref_model=... or let TRL build one)")
         if self.hk_fused != "off":
@@ -175,12 +247,15 @@ class _HumanlineMixin:
             return
         self.hk_sync.reference_done(blocking=self.is_deepspeed_enabled)
 
-    def _hk_ref_forward(self, kwargs, labels):
-        """Reference per-token log-probs (no grad), from ``self.ref_model`` or the adapter-disabled PEFT policy."""
+    def _hk_ref_forward(self, kwargs, labels, policy=None):
+        """Reference per-token log-probs (no grad), from ``self.ref_model``, the adapter-disabled PEFT policy or,
+        with the lookahead, ``policy`` itself (in eval mode, put there by ``LookaheadReference``)."""
         # only when checkpointing is on: TRL's helper asks the model about it through deprecated transformers 5 names
         ckpt = (disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
                 if _checkpointing_on(self.args) else contextlib.nullcontext())
         with torch.no_grad(), ckpt:
+            if policy is not None:
+                return policy(**kwargs, labels=labels, fused_lm_head=True).log_probs
             if self.ref_model is None and is_peft_model(self.model):
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
@@ -204,9 +279,97 @@ class _HumanlineMixin:
         m["humanline/unclipped_frac"].append(n_in / n if n > 0 else 1.0)
 
     def log(self, logs, start_time=None):
-        if self.hk_sync is not None and self.model.training:
-            logs["humanline/num_syncs"] = self.hk_sync.num_syncs  # reference syncs so far (every sync_every steps)
+        if self.model.training and (self.hk_sync is not None or self.hk_lookahead):
+            # reference syncs (lookahead: window computations) so far, every sync_every steps
+            logs["humanline/num_syncs"] = self.hk_la_syncs if self.hk_lookahead else self.hk_sync.num_syncs
         super().log(logs, start_time)
+
+    # -- humanline_reference="lookahead": the trainer's data flow ---------------------------------------------
+    # transformers 5.x Trainer (trainer.py): _inner_training_loop gets the loop's counts from
+    # set_initial_training_values and the dataloader from _prepare_for_training; _run_epoch calls set_epoch(epoch) on
+    # the dataloader and on its batch_sampler.batch_sampler, makes epoch_iterator = iter(train_dataloader), then for
+    # each optimizer step calls get_batch_samples(epoch_iterator, n, device) with n = gradient_accumulation_steps,
+    # or steps_in_epoch % gradient_accumulation_steps for the last step of an epoch, and trains on those micro-batches
+    # (optimizer.step() after the last one). We take over get_batch_samples: a LookaheadReference draws the same
+    # per-step micro-batch lists, in the same order, from a stream that crosses epochs the way _run_epoch does.
+    def _hk_reference_of(self, policy, inputs):
+        """Per-token reference log-probs of a micro-batch, computed by ``policy`` (see the trainers)."""
+        raise NotImplementedError
+
+    def set_initial_training_values(self, args, dataloader, *a, **k):
+        values = super().set_initial_training_values(args, dataloader, *a, **k)
+        # (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
+        #  steps_in_epoch, max_steps): the loop bounds of _inner_training_loop / _run_epoch
+        self._hk_loop = dict(epochs=values[0], updates_per_epoch=values[1], steps_in_epoch=values[5],
+                             max_steps=values[6])
+        return values
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self.hk_lookahead and resume_from_checkpoint is not None:
+            raise ValueError(
+                f"{type(self).__name__}: resume_from_checkpoint is not supported with humanline_reference="
+                "'lookahead' (the checkpoint lacks the reference log-probs already computed for the coming steps, "
+                "from a policy that no longer exists); train from the start or use humanline_reference='sync'")
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        self._hk_train_dataloader, self.hk_la, self.hk_la_syncs = train_dataloader, None, 0
+        return model, train_dataloader
+
+    def _hk_step_batches(self, first_iterator, device):
+        """Every optimizer step's list of micro-batches from the current step to max_steps, as _run_epoch draws
+        them: the epoch iterator it made, then, past the end of an epoch, the next epoch's, made as it would make it
+        (and earlier: see docs/lookahead.md for the data order with dropout on)."""
+        loop, accum = self._hk_loop, self.args.gradient_accumulation_steps
+        remainder = loop["steps_in_epoch"] % accum or accum
+        steps_left = loop["max_steps"] - self.state.global_step
+        epoch, iterator = int(self.state.epoch or 0), first_iterator
+        while steps_left > 0:
+            for update in range(loop["updates_per_epoch"]):
+                n = accum if update != loop["updates_per_epoch"] - 1 else remainder
+                batches, _ = super().get_batch_samples(iterator, n, device)
+                if not batches:
+                    return  # the data ran out (an iterable dataset)
+                yield batches
+                steps_left -= 1
+                if steps_left == 0:
+                    return
+            epoch += 1
+            if epoch >= loop["epochs"]:
+                return
+            loader = self._hk_train_dataloader
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+            if hasattr(inner, "set_epoch"):
+                inner.set_epoch(epoch)
+            iterator = iter(loader)  # _run_epoch's own iterator for this epoch is then never advanced
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if not self.hk_lookahead:  # (the training loop is its only caller; the model may still be in eval mode)
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.hk_la is None:
+            from ..sync._lookahead import LookaheadReference
+            self.hk_la = LookaheadReference(self.model, self._hk_step_batches(epoch_iterator, device),
+                                            self._hk_reference_of, every=self.hk_sync_every)
+        try:
+            batches, refs = next(self.hk_la)
+        except StopIteration:
+            return [], None
+        if len(batches) != num_batches:
+            raise RuntimeError(f"{type(self).__name__}: the lookahead drew {len(batches)} micro-batches for this "
+                               f"step, the training loop expected {num_batches} (an unsupported transformers loop?)")
+        # The window of the coming steps is computed now, at the start of the step rather than just before its
+        # optimizer.step(): the parameters are θ_t either way (nothing changes them before the update), no gradient
+        # or activation is alive yet (less memory), and it also holds under DeepSpeed, whose update runs inside
+        # the backward.
+        self.hk_la_syncs += int(self.hk_la.wait())
+        batches = [dict(mb, hk_ref_logps=r) for mb, r in zip(batches, refs)]
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _hk_lookahead_refs(self, inputs):
+        if "hk_ref_logps" not in inputs:
+            raise ValueError(f"{type(self).__name__}: with humanline_reference='lookahead' the reference log-probs "
+                             "exist only for the training batches (no reference model); evaluation is not supported")
+        return inputs["hk_ref_logps"]
 
 
 def _hf_module(module):
@@ -225,7 +388,7 @@ def _clip_counts(logps, ref_logps, mask, clip):
 # ---------------------------------------------------------------------------------------------------------------
 # DPO
 # ---------------------------------------------------------------------------------------------------------------
-_DPO_NON_MODEL = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+_DPO_NON_MODEL = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", "hk_ref_logps"}
 
 
 class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
@@ -243,19 +406,34 @@ class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
         _refuse(args.use_weighting, "HumanlineDPOTrainer does not support use_weighting (WPO)")
         _refuse(args.label_smoothing != 0.0, "HumanlineDPOTrainer: label_smoothing is ignored by TRL's 'sigmoid' loss "
                 "and not supported here; set label_smoothing=0.0")
-        super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
+        self.hk_lookahead = _hk_reference_mode(args, type(self).__name__) == "lookahead"
+        if self.hk_lookahead:
+            _precheck_lookahead(type(self).__name__, args, ref_model)
+        with _no_trl_reference(self, _dpo_module) if self.hk_lookahead else contextlib.nullcontext():
+            super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
         self._hk_setup()
 
-    def _compute_loss(self, model, inputs, return_outputs):
-        mode = "train" if self.model.training else "eval"
+    def _hk_inputs(self, inputs):
+        """Model keyword arguments, labels and completion mask ``[B, T]`` of a micro-batch."""
         kw = {k: v for k, v in inputs.items() if k not in _DPO_NON_MODEL}
         kw["use_cache"] = False
         completion_mask = inputs["completion_mask"]
-        mask = completion_mask[:, 1:].bool()
-        T = mask.size(1)
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
-        ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
-        self._hk_reference_done()
+        return kw, labels, completion_mask[:, 1:].bool()
+
+    def _hk_reference_of(self, policy, inputs):
+        kw, labels, mask = self._hk_inputs(inputs)
+        return self._hk_ref_forward(kw, labels, policy)[:, -mask.size(1):].float()
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        mode = "train" if self.model.training else "eval"
+        kw, labels, mask = self._hk_inputs(inputs)
+        T = mask.size(1)
+        if self.hk_lookahead:
+            ref_logps = self._hk_lookahead_refs(inputs)
+        else:
+            ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
+            self._hk_reference_done()
         out = model(**kw, labels=labels, fused_lm_head=True)
         logps = out.log_probs[:, -T:].float()
         loss, _ = losses.dpo(logps, ref_logps, mask, clip=self.hk_clip, beta=self.beta)
@@ -297,7 +475,7 @@ class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
 # KTO
 # ---------------------------------------------------------------------------------------------------------------
 _KTO_NON_MODEL = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
-                  "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps"}
+                  "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps", "hk_ref_logps"}
 
 
 class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
@@ -309,8 +487,29 @@ class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
         self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = _hk_settings(args)
         _precheck_common(type(self).__name__, args, model, peft_config, self.hk_humanline)
         _refuse(args.loss_type != "kto", f"HumanlineKTOTrainer supports loss_type='kto' only, got {args.loss_type!r}")
-        super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
+        self.hk_lookahead = _hk_reference_mode(args, type(self).__name__) == "lookahead"
+        if self.hk_lookahead:
+            _precheck_lookahead(type(self).__name__, args, ref_model)
+        with _no_trl_reference(self, _kto_module) if self.hk_lookahead else contextlib.nullcontext():
+            super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
         self._hk_setup()
+
+    def _hk_inputs(self, batch):
+        """Model keyword arguments, labels and completion mask ``[B, T]`` of a micro-batch."""
+        kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL}
+        kw["use_cache"] = False
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        return kw, labels, batch["completion_mask"][:, 1:].bool()
+
+    def _hk_reference_of(self, policy, batch):
+        """The rows' reference log-probs and, when KTO estimates its KL baseline, the KL rows' after them on the
+        same rows (``[B, T + T_KL]``: LookaheadReference keeps one tensor per micro-batch)."""
+        kw, labels, mask = self._hk_inputs(batch)
+        ref = self._hk_ref_forward(kw, labels, policy)[:, -mask.size(1):].float()
+        if not self.calculate_KL:
+            return ref
+        kl_kw, kl_labels, kl_mask = self._hk_kl_inputs(batch)
+        return torch.cat([ref, self._hk_ref_forward(kl_kw, kl_labels, policy)[:, -kl_mask.size(1):].float()], 1)
 
     def _hk_kl_inputs(self, batch):
         kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL | {"input_ids", "attention_mask"}}
@@ -326,17 +525,19 @@ class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
         dev = self.accelerator.device
         batch = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
         desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=dev)
-        kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL}
-        kw["use_cache"] = False
-        mask = batch["completion_mask"][:, 1:].bool()
+        kw, labels, mask = self._hk_inputs(batch)
         T = mask.size(1)
-        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
         kl = kl_ref = kl_mask = None
         if self.calculate_KL:
             kl_kw, kl_labels, kl_mask = self._hk_kl_inputs(batch)
-            kl_ref = self._hk_ref_forward(kl_kw, kl_labels)[:, -kl_mask.size(1):].float()
-        ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
-        self._hk_reference_done()
+        if self.hk_lookahead:
+            ref_logps = self._hk_lookahead_refs(batch)
+            ref_logps, kl_ref = (ref_logps[:, :T], ref_logps[:, T:]) if self.calculate_KL else (ref_logps, None)
+        else:
+            if self.calculate_KL:
+                kl_ref = self._hk_ref_forward(kl_kw, kl_labels)[:, -kl_mask.size(1):].float()
+            ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
+            self._hk_reference_done()
         if self.calculate_KL:
             with torch.no_grad():  # the KL rows only set the detached baseline z0
                 kl = model(**kl_kw, labels=kl_labels, fused_lm_head=True).log_probs[:, -kl_mask.size(1):].float()
@@ -409,6 +610,7 @@ class HumanlineGRPOTrainer(_HumanlineMixin, GRPOTrainer):
             args = HumanlineGRPOConfig("humanline-grpo")
         self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = _hk_settings(args)
         name = type(self).__name__
+        _refuse(_hk_reference_mode(args, name) == "lookahead", f"{name}: {_GRPO_NO_LOOKAHEAD}")
         _precheck_common(name, args, model, peft_config, self.hk_humanline)
         _refuse(args.loss_type not in _GRPO_LOSS_TYPES,
                 f"{name} supports loss_type in {_GRPO_LOSS_TYPES}, got {args.loss_type!r}")
