@@ -1,0 +1,168 @@
+"""``humanline_reference="lookahead"`` in the humanline DPO / KTO trainers: step for step the same training as
+``humanline_reference="sync"`` (a reference model copied from the policy, synced every ``sync_every`` steps before
+the update), with gradient accumulation and across epoch boundaries; no reference model nor second copy of the
+parameters; GRPO and bad values refused."""
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from test_integrations_trl import COMMON, TRL_DEPRECATIONS, kto_data, pref_data, tiny, tiny_path  # noqa: E402,F401
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
+
+import humanline_kernels.integrations.trl as hk_trl  # noqa: E402
+from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer,  # noqa: E402
+                                                HumanlineGRPOConfig, HumanlineGRPOTrainer, HumanlineKTOConfig,
+                                                HumanlineKTOTrainer)
+
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS)
+
+TRAINERS = {"dpo": (HumanlineDPOTrainer, HumanlineDPOConfig, pref_data),
+            "kto": (HumanlineKTOTrainer, HumanlineKTOConfig, kto_data)}
+
+
+def _train(monkeypatch, tiny_path, algo, reference, *, every, accum, batch, steps, fused):
+    """Train; return per micro-batch what the loss got (reference log-probs, KTO's KL rows' too, loss) and the
+    parameters after every optimizer step."""
+    trainer_cls, config_cls, data = TRAINERS[algo]
+    loss_fn = getattr(hk_trl.losses, algo)
+    seen = []
+
+    def recording(logps, ref_logps, *args, **kwargs):
+        loss, met = loss_fn(logps, ref_logps, *args, **kwargs)
+        kl_ref = args[4] if algo == "kto" else None
+        seen.append((ref_logps.clone(), None if kl_ref is None else kl_ref.clone(), loss.detach().clone(),
+                     logps.detach().clone()))
+        return loss, met
+    monkeypatch.setattr(hk_trl.losses, algo, recording)
+    kw = dict(COMMON, output_dir=tiny_path + f"/{algo}-{reference}", per_device_train_batch_size=batch,
+              max_steps=steps, learning_rate=5e-2, gradient_accumulation_steps=accum)
+    tr = trainer_cls(tiny_path, args=config_cls(**kw, sync_every=every, humanline_reference=reference, fused=fused),
+                     train_dataset=data(), processing_class=tiny.tiny_tokenizer())
+    params = []
+
+    class Snap(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            params.append([p.detach().clone() for p in tr.model.parameters()])
+    tr.add_callback(Snap())
+    torch.manual_seed(0)  # the shuffling sampler draws from the global RNG: the same order in both runs
+    tr.train()
+    monkeypatch.undo()
+    return tr, seen, params
+
+
+def _same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=what)
+
+
+# dpo: 12 pairs. batch 2 -> 6 micro-batches an epoch, 3 steps of 2; batch 4 -> 3 micro-batches, steps of 2 then 1
+# (the epoch's remainder). kto: 16 rows, batch 4 -> 4 micro-batches, 2 steps of 2. Every case crosses epochs, and
+# every > 1 makes windows that straddle an epoch boundary.
+# fused="off" (TRL's log-prob head, plain torch) keeps this fast on CPU; one case runs our fused-linear head.
+CASES = [("dpo", 1, 2, 2, 4, "off"), ("dpo", 3, 2, 4, 5, "off"), ("kto", 2, 2, 4, 4, "off"),
+         ("kto", 3, 1, 4, 5, "linear")]
+
+
+@pytest.mark.parametrize("algo,every,accum,batch,steps,fused", CASES)
+def test_lookahead_trains_like_a_synced_reference(monkeypatch, tiny_path, algo, every, accum, batch, steps, fused):
+    run = dict(every=every, accum=accum, batch=batch, steps=steps, fused=fused)
+    sync, s_seen, s_params = _train(monkeypatch, tiny_path, algo, "sync", **run)
+    look, l_seen, l_params = _train(monkeypatch, tiny_path, algo, "lookahead", **run)
+    assert sync.ref_model is not None and look.ref_model is None
+    assert look.state.epoch > 1 and look.state.global_step == steps
+    assert len(s_seen) == len(l_seen) == sum(len(x) for x in _step_sizes(look, steps))
+    for i, (a, b) in enumerate(zip(s_seen, l_seen)):
+        _same(a[0], b[0], f"micro-batch {i}: reference log-probs")
+        _same(a[1], b[1], f"micro-batch {i}: KL rows' reference log-probs")
+        _same(a[2], b[2], f"micro-batch {i}: loss")
+        _same(a[3], b[3], f"micro-batch {i}: policy log-probs")
+    assert len(s_params) == len(l_params) == steps
+    for t, (a, b) in enumerate(zip(s_params, l_params)):
+        for x, y in zip(a, b):
+            _same(x, y, f"parameters after step {t}")
+    # the test can fail: the reference lags the policy (a lookahead on the current policy would give ref == logps)
+    assert any(not torch.allclose(r, lp) for r, _, _, lp in s_seen[accum:])
+    assert look.hk_la_syncs == sync.hk_sync.num_syncs == len(range(0, steps, every))
+    if algo == "kto":
+        assert all(r[1] is not None for r in l_seen)  # the KL baseline's rows had lookahead reference log-probs
+
+
+def _step_sizes(trainer, steps):
+    """Micro-batches per optimizer step, as transformers' _run_epoch draws them (an epoch's last step may be
+    short), for the steps trained."""
+    per_epoch = len(trainer.get_train_dataloader())
+    accum = trainer.args.gradient_accumulation_steps
+    sizes = []
+    while len(sizes) < steps:
+        sizes += [[0] * min(accum, per_epoch - i) for i in range(0, per_epoch, accum)]
+    return sizes[:steps]
+
+
+def _param_bytes():
+    gc.collect()
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        # issubclass: Parameter's isinstance hook trips over some objects gc holds (torch.distributed's)
+        if issubclass(type(o), torch.nn.Parameter) and o.untyped_storage().data_ptr() not in seen:
+            seen.add(o.untyped_storage().data_ptr())
+            total += o.untyped_storage().nbytes()
+    return total
+
+
+def test_lookahead_holds_no_second_copy_of_the_parameters(tiny_path):
+    """Bytes of parameters alive while training (issue 13, item 4: the measured saving on the test model)."""
+    kw = dict(COMMON, per_device_train_batch_size=2, max_steps=2, learning_rate=5e-2, fused="off")
+    policy_bytes = sum(p.numel() * p.element_size() for p in tiny.tiny_model().parameters())
+    alive = {}
+    for reference in ("sync", "lookahead"):
+        gc.collect()
+        base = _param_bytes()
+        during = []
+
+        class Count(TrainerCallback):
+            def on_step_end(self, *a, **k):
+                during.append(_param_bytes() - base)
+        tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, output_dir=tiny_path + "/mem",
+                                                                    humanline_reference=reference),
+                                 train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer())
+        tr.add_callback(Count())
+        tr.train()
+        alive[reference] = max(during)
+        del tr
+    print(f"\nparameter bytes alive while training: sync {alive['sync']}, lookahead {alive['lookahead']} "
+          f"(policy {policy_bytes}; saved {alive['sync'] - alive['lookahead']})")
+    assert alive["lookahead"] == policy_bytes
+    assert alive["sync"] == 2 * policy_bytes
+
+
+def test_grpo_refuses_lookahead(tiny_path):
+    with pytest.raises(ValueError, match="generated online"):
+        HumanlineGRPOConfig(**COMMON, output_dir=tiny_path + "/g", humanline_reference="lookahead")
+    args = GRPOConfig(**COMMON, output_dir=tiny_path + "/g", per_device_train_batch_size=4, num_generations=2)
+    args.humanline_reference = "lookahead"  # a plain TRL config with the field set by hand
+    with pytest.raises(ValueError, match="generated online"):
+        HumanlineGRPOTrainer(tiny_path, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                             train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer())
+
+
+@pytest.mark.parametrize("algo", ["dpo", "kto"])
+def test_bad_lookahead_settings_are_refused(tiny_path, algo):
+    trainer_cls, config_cls, data = TRAINERS[algo]
+    kw = dict(COMMON, output_dir=tiny_path + "/bad", per_device_train_batch_size=4, max_steps=1)
+    with pytest.raises(ValueError, match="humanline_reference must be one of"):
+        config_cls(**kw, humanline_reference="lagged")
+    with pytest.raises(ValueError, match="needs humanline=True"):
+        config_cls(**kw, humanline=False, humanline_reference="lookahead")
+    args = config_cls(**kw, humanline_reference="lookahead")
+    with pytest.raises(ValueError, match="uses no reference model"):
+        trainer_cls(tiny_path, ref_model=tiny.tiny_model(), args=args, train_dataset=data(),
+                    processing_class=tiny.tiny_tokenizer())
+    with pytest.raises(ValueError, match="evaluation needs reference log-probs"):
+        trainer_cls(tiny_path, args=config_cls(**kw, humanline_reference="lookahead", eval_strategy="steps",
+                                               eval_steps=1), train_dataset=data(), eval_dataset=data(),
+                    processing_class=tiny.tiny_tokenizer())
