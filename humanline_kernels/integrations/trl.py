@@ -17,6 +17,9 @@ Config fields (also read from a plain TRL config, with these defaults):
   :mod:`humanline_kernels.fused_linear`, inside the model's forward; "logits": the model's logits through
   :func:`humanline_kernels.token_logprobs`; "off": TRL's own chunked log-prob head. The loss is always
   :mod:`humanline_kernels.losses` on the per-token log-probs.
+* ``humanline_reference`` ("sync"): "lookahead" (DPO, KTO) keeps no reference model: the policy computes the
+  reference log-probs of the coming ``sync_every`` steps' batches at each sync step
+  (:class:`humanline_kernels.LookaheadReference`, docs/lookahead.md). GRPO refuses it (online data).
 
 Metric names are TRL's (``rewards/chosen``, ``logps/chosen``, ``kl``, ``clip_ratio/low_mean``, ...) plus
 ``humanline/unclipped_frac`` (fraction of completion tokens strictly inside the band) and ``humanline/num_syncs``
