@@ -38,9 +38,9 @@ import torch
 from accelerate.utils import is_peft_model
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer import dpo_trainer as _dpo_module
 from trl.trainer import kto_trainer as _kto_module
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, disable_dropout_in_model,
                                get_config_model_id, use_adapter)
 
@@ -111,6 +111,8 @@ _GRPO_NO_LOOKAHEAD = (
     "step t+1 (the policy's own completions after step t's update) does not exist at step t, before the update, "
     "when the lookahead would have to compute its reference log-probs. Use humanline_reference='sync' (or a PEFT "
     "policy, whose reference is a second adapter rather than a second model).")
+
+
 @dataclass
 class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
     """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
@@ -350,6 +352,10 @@ class _HumanlineMixin:
         if not self.hk_lookahead:  # (the training loop is its only caller; the model may still be in eval mode)
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.hk_la is None:
+            if not hasattr(self, "_hk_loop") or not hasattr(self, "_hk_train_dataloader"):
+                raise RuntimeError(f"{type(self).__name__}: humanline_reference='lookahead' follows the training loop "
+                                   "of transformers 5.x (set_initial_training_values, _prepare_for_training, "
+                                   "_run_epoch); this transformers version does not call them")
             from ..sync._lookahead import LookaheadReference
             self.hk_la = LookaheadReference(self.model, self._hk_step_batches(epoch_iterator, device),
                                             self._hk_reference_of, every=self.hk_sync_every)
