@@ -32,7 +32,7 @@ def _train(monkeypatch, tiny_path, algo, reference, *, every, accum, batch, step
 
     def recording(logps, ref_logps, *args, **kwargs):
         loss, met = loss_fn(logps, ref_logps, *args, **kwargs)
-        kl_ref = args[4] if algo == "kto" else None
+        kl_ref = args[3] if algo == "kto" else None  # kto(logps, ref, mask, desirable, kl, kl_ref, kl_mask, ...)
         seen.append((ref_logps.clone(), None if kl_ref is None else kl_ref.clone(), loss.detach().clone(),
                      logps.detach().clone()))
         return loss, met
