@@ -183,3 +183,43 @@ def test_bad_lookahead_settings_are_refused(tiny_path, algo):
         trainer_cls(tiny_path, args=config_cls(**kw, humanline_reference="lookahead", eval_strategy="steps",
                                                eval_steps=1), train_dataset=data(), eval_dataset=data(),
                     processing_class=tiny.tiny_tokenizer())
+
+
+def _ddp_worker(rank, world, port, path, out_dir):
+    import os
+    os.environ.update(CUDA_VISIBLE_DEVICES="",  # CPU ranks on gloo, also on a GPU machine
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="1")
+    COMMON["ddp_backend"] = "gloo"
+    res = {}
+    for reference in ("sync", "lookahead"):
+        tr, seen, params = _train(pytest.MonkeyPatch(), path, "dpo", reference, every=3, accum=2, batch=2, steps=4,
+                                  fused="off")
+        res[reference] = {"seen": seen, "params": params, "wrapped": type(tr.model_wrapped).__name__,
+                          "world": tr.accelerator.num_processes, "epoch": tr.state.epoch}
+    torch.save(res, os.path.join(out_dir, f"lookahead{rank}.pt"))
+
+
+def test_lookahead_trainer_ddp_gloo_world2(tiny_path, tmp_path):
+    """DDP, 2 ranks: each rank's lookahead draws its own shard of the data (the distributed sampler), step for step
+    as its "sync" run does (12 pairs / (2 ranks x batch 2) = 3 micro-batches a rank-epoch: steps of 2 then 1; a
+    window of 3 steps from step 0 reaches into the second epoch)."""
+    import torch.multiprocessing as mp
+    from test_integrations_ddp import _free_port
+    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_path, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"lookahead{r}.pt") for r in range(2)]
+    for r in ranks:
+        sync, look = r["sync"], r["lookahead"]
+        assert look["wrapped"] == "DistributedDataParallel" and look["world"] == 2 and look["epoch"] > 1
+        assert len(sync["seen"]) == len(look["seen"]) == 6
+        for i, (a, b) in enumerate(zip(sync["seen"], look["seen"])):
+            _same(a[0], b[0], f"micro-batch {i}: reference log-probs")
+            _same(a[2], b[2], f"micro-batch {i}: loss")
+        for t, (a, b) in enumerate(zip(sync["params"], look["params"])):
+            for x, y in zip(a, b):
+                _same(x, y, f"parameters after step {t}")
+    # the ranks trained on different shards (their reference log-probs differ) and kept the same parameters
+    assert any(a[0].shape != b[0].shape or not torch.equal(a[0], b[0])
+               for a, b in zip(ranks[0]["lookahead"]["seen"], ranks[1]["lookahead"]["seen"]))
+    for x, y in zip(ranks[0]["lookahead"]["params"][-1], ranks[1]["lookahead"]["params"][-1]):
+        assert torch.equal(x, y)
