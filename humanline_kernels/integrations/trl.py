@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -319,7 +320,7 @@ class _HumanlineMixin:
         self._hk_train_dataloader, self.hk_la, self.hk_la_syncs = train_dataloader, None, 0
         return model, train_dataloader
 
-    def _hk_step_batches(self, first_iterator, device):
+    def _hk_step_batches(self, first_iterator):
         """Every optimizer step's list of micro-batches from the current step to max_steps, as _run_epoch draws
         them: the epoch iterator it made, then, past the end of an epoch, the next epoch's, made as it would make it
         (and earlier: see docs/lookahead.md for the data order with dropout on)."""
@@ -330,9 +331,12 @@ class _HumanlineMixin:
         while steps_left > 0:
             for update in range(loop["updates_per_epoch"]):
                 n = accum if update != loop["updates_per_epoch"] - 1 else remainder
-                batches, _ = super().get_batch_samples(iterator, n, device)
+                # what Trainer.get_batch_samples draws (up to n, fewer at the end), without its num_items count:
+                # that may be a collective (average_tokens_across_devices); it is made for the step when it runs
+                batches = _StepBatches(itertools.islice(iterator, n))
                 if not batches:
                     return  # the data ran out (an iterable dataset)
+                batches.wanted = n
                 yield batches
                 steps_left -= 1
                 if steps_left == 0:
@@ -357,15 +361,15 @@ class _HumanlineMixin:
                                    "of transformers 5.x (set_initial_training_values, _prepare_for_training, "
                                    "_run_epoch); this transformers version does not call them")
             from ..sync._lookahead import LookaheadReference
-            self.hk_la = LookaheadReference(self.model, self._hk_step_batches(epoch_iterator, device),
+            self.hk_la = LookaheadReference(self.model, self._hk_step_batches(epoch_iterator),
                                             self._hk_reference_of, every=self.hk_sync_every)
         try:
             batches, refs = next(self.hk_la)
         except StopIteration:
             return [], None
-        if len(batches) != num_batches:
-            raise RuntimeError(f"{type(self).__name__}: the lookahead drew {len(batches)} micro-batches for this "
-                               f"step, the training loop expected {num_batches} (an unsupported transformers loop?)")
+        if batches.wanted != num_batches:
+            raise RuntimeError(f"{type(self).__name__}: the lookahead drew {batches.wanted} micro-batches for this "
+                               f"step, the training loop asks for {num_batches} (an unsupported transformers loop?)")
         # The window of the coming steps is computed now, at the start of the step rather than just before its
         # optimizer.step(): the parameters are θ_t either way (nothing changes them before the update), no gradient
         # or activation is alive yet (less memory), and it also holds under DeepSpeed, whose update runs inside
@@ -379,6 +383,12 @@ class _HumanlineMixin:
             raise ValueError(f"{type(self).__name__}: with humanline_reference='lookahead' the reference log-probs "
                              "exist only for the training batches (no reference model); evaluation is not supported")
         return inputs["hk_ref_logps"]
+
+
+class _StepBatches(list):
+    """One optimizer step's micro-batches (a list, as LookaheadReference takes them) and how many were asked for
+    (fewer come when the data runs out)."""
+    wanted = 0
 
 
 def _hf_module(module):
