@@ -1,27 +1,44 @@
-"""End-to-end humanline demo: offline vs humanline DPO / KTO / GRPO on a tiny random-init Llama.
+"""Humanline in miniature: offline vs offline+humanline vs online DPO / KTO / GRPO on a tiny Llama, tuned fairly.
 
-``python -m humanline_kernels.demo [--objective dpo|kto|grpo] [--steps N] [--seed S] [--device auto|cpu|cuda]``
+``python -m humanline_kernels.demo [--objective dpo|kto|grpo] [--steps N] [--seeds S] [--lrs a,b,c] ...``
 
-The synthetic task: a prompt is ``BOS p1 .. p4 SEP`` over ``K`` symbols; the desirable completion counts up from
-the last prompt symbol: ``c1 = p4 + 1``, ``c_{i+1} = c_i + 1`` (mod ``K``), then ``EOS``.
-Rule-following is checked exactly. Two different tiny Llamas are first fitted (a few SFT steps) to noisy versions
-of the rule: the *behaviour* model (noisier, worse) produces the offline data, the other is the starting policy.
-The offline data (preference pairs for DPO, labelled samples for KTO, scored groups for GRPO) are sampled from the
-behaviour model once. Then, from the same starting policy, on the same data for the same steps:
+The paper's experiment (arXiv 2509.24207, Sec. 5, App. D) in miniature, measured rather than asserted:
 
-* offline: the reference is the frozen starting policy and no clipping (the plain offline objective);
-* humanline: the reference is synced from the policy before the optimizer step (``hk.ReferenceSyncer``; every
-  step for DPO/KTO, every 12 for GRPO, ``--sync-every``) and
-  each token's log-ratio is clamped to ``[log_eps_p, log_eps_r]``.
+* the task: a prompt is ``BOS p1 .. p4 SEP`` over ``K`` symbols; a completion follows the rule when it counts up
+  from the last prompt symbol (``c1 = p4 + 1``, ``c_{i+1} = c_i + 1`` mod ``K``) and then ends (``EOS``). The
+  score of a completion is its fraction of rule-following tokens; the reported *rule rate* is the fraction of
+  the policy's own samples (temperature 1) that follow the rule exactly.
+* the models: two tiny random-init Llamas, each first fitted by a few SFT steps to a different noisy version of
+  the rule: the *behaviour* model (whole completions right about half the time) produces the offline data; the
+  other one (token-level noise, rarely right end to end) is the starting policy of every arm.
+* offline data, for DPO and KTO: the behaviour model's samples of the training prompts, ``G`` per prompt, scored;
+  DPO pairs the best with the worst, KTO labels the best desirable and the worst undesirable (its KL rows are
+  mismatched prompt/completion pairs). For GRPO, as in the paper's less-frequent-sampling experiment, offline
+  data are the policy's own samples drawn every ``--resample-every`` steps (stale in between).
+* the arms, from the same starting policy, the same prompts and the same number of examples per step:
+  ``offline`` (reference = the frozen starting policy, no clamp; GRPO: the ratio against the policy that sampled),
+  ``offline+humanline`` (the same data; reference synced from the policy before each ``--sync-every``-th update
+  by ``hk.ReferenceSyncer``, every token's log-ratio clamped to ``[log_eps_p, log_eps_r]``) and ``online``
+  (completions sampled from the current policy every step and labelled by the same score; DPO/KTO reference =
+  the frozen starting policy; GRPO on-policy, ratio 1).
+* fair tuning: every arm trains at every learning rate of the same grid (``--lrs``) for every seed; each arm is
+  reported at the learning rate with the best mean rule rate on a held-out set of prompts, and the reported rule
+  rate comes from a disjoint set (the prompts' first symbol splits train / held-out / reported). Seeds vary the
+  training order, the online samples and the evaluation samples; the behaviour model, the starting policy and
+  the offline data are fixed by ``--seed``.
 
-The final table reports what was measured: the rule-following rate of the policy's own samples (temperature 1),
-the mean fraction of tokens outside the clip band, the final loss and the wall time of each run. On CUDA the losses
-go through the fused Triton kernels (``hk.fused``); on CPU through the eager path.
+It prints the table (rule rate mean +- standard error over seeds, held-out rate, mean fraction of clamped tokens,
+reference syncs, wall time per run with sampling included, best learning rate), a ``verdict:`` line computed from
+those numbers, and writes a plot of the rule rate over training (``--plot``; ``--no-plot``). Whatever it
+measures is what it reports. On CUDA the losses run through the fused Triton kernels (``hk.fused``), on CPU
+through the eager path.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import math
+import os
 import sys
 import time
 
@@ -33,6 +50,10 @@ PAD, BOS, SEP, EOS = 0, 1, 2, 3
 K = 12                      # symbols 4 .. 4+K-1
 PROMPT, COMPL = 4, 5        # prompt symbols, completion symbols (+ EOS)
 VOCAB = 4 + K
+GROUP = 4                   # samples per prompt, offline and online alike
+SPLITS = {"train": (0, 1), "heldout": (2,), "report": (3,)}  # by first prompt symbol mod 4
+ARMS = ("offline", "offline+humanline", "online")
+DEFAULT_LRS = (3e-4, 1e-3, 3e-3)
 
 
 def _make_model(seed, device):
@@ -45,10 +66,14 @@ def _make_model(seed, device):
     return LlamaForCausalLM(cfg).to(device)
 
 
-def sample_prompts(n, gen, device):
-    sym = torch.randint(0, K, (n, PROMPT), generator=gen) + 4
+def sample_prompts(n, gen, device, split="train"):
+    """``n`` prompts of one split: train, held-out and reported prompts never share a first symbol class."""
+    classes = torch.tensor(SPLITS[split])
+    first = classes[torch.randint(0, len(classes), (n, 1), generator=gen)] + 4 * torch.randint(0, K // 4, (n, 1),
+                                                                                                generator=gen)
+    rest = torch.randint(0, K, (n, PROMPT - 1), generator=gen)
     bos, sep = torch.full((n, 1), BOS), torch.full((n, 1), SEP)
-    return torch.cat([bos, sym, sep], 1).to(device)
+    return torch.cat([bos, first + 4, rest + 4, sep], 1).to(device)
 
 
 def rule_completion(prompts):
@@ -62,11 +87,12 @@ def token_scores(prompts, completions):
     return (completions.cpu() == want).float()
 
 
-def noisy_sequences(prompts, p_rule, gen):
+def noisy_sequences(prompts, p_rule, gen, p_whole=0.0):
+    """Rule completions with noise: each token kept with ``p_rule``; a row is kept whole with ``p_whole``."""
     n = prompts.shape[0]
     target = rule_completion(prompts)
     noise = torch.randint(0, K, target.shape, generator=gen) + 4
-    keep = torch.rand(target.shape, generator=gen) < p_rule
+    keep = (torch.rand(target.shape, generator=gen) < p_rule) | (torch.rand((n, 1), generator=gen) < p_whole)
     comp = torch.where(keep, target, noise)
     return torch.cat([prompts.cpu(), comp, torch.full((n, 1), EOS)], 1).to(prompts.device)
 
@@ -78,10 +104,10 @@ def labels_for(seqs):
     return labels
 
 
-def fit_sft(model, p_rule, steps, gen, device, lr=3e-3):
+def fit_sft(model, steps, gen, device, p_rule, p_whole=0.0, lr=3e-3):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
-        seqs = noisy_sequences(sample_prompts(64, gen, device), p_rule, gen)
+        seqs = noisy_sequences(sample_prompts(64, gen, device), p_rule, gen, p_whole)
         logits = model(seqs).logits[:, :-1]
         loss = -hk.token_logprobs(logits, labels_for(seqs)).sum() / (COMPL + 1) / seqs.shape[0]
         opt.zero_grad()
@@ -93,161 +119,375 @@ def fit_sft(model, p_rule, steps, gen, device, lr=3e-3):
 @torch.no_grad()
 def generate(model, prompts, gen):
     """Sample completions at temperature 1 (plain loop: the models are tiny)."""
+    was_training = model.training
+    model.eval()
     seqs = prompts
     for _ in range(COMPL + 1):
         logits = model(seqs).logits[:, -1].float()
         probs = torch.softmax(logits, -1).cpu()
         nxt = torch.multinomial(probs, 1, generator=gen).to(seqs.device)
         seqs = torch.cat([seqs, nxt], 1)
+    model.train(was_training)
     return seqs
 
 
-def rule_rate(model, gen, device, n=512):
-    prompts = sample_prompts(n, gen, device)
+def rule_rate(model, gen, device, n=512, split="report"):
+    prompts = sample_prompts(n, gen, device, split)
     seqs = generate(model, prompts, gen)
     return token_scores(prompts, seqs[:, PROMPT + 2:]).min(1).values.mean().item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# offline data from the behaviour model
+# examples: one construction for the offline data and the online samples, so both are labelled the same way
 
 
-def offline_data(behaviour, objective, n_prompts, gen, device, group=4):
-    prompts = sample_prompts(n_prompts, gen, device)
-    reps = prompts.repeat_interleave(group, 0)
-    seqs = generate(behaviour, reps, gen)
-    score = token_scores(reps, seqs[:, PROMPT + 2:]).mean(1).view(n_prompts, group)
-    seqs = seqs.view(n_prompts, group, -1)
-    if objective == "grpo":
-        adv = (score - score.mean(1, keepdim=True)) / (score.std(1, keepdim=True) + 1e-2)
-        keep = score.std(1) > 0
-        return {"seqs": seqs[keep].flatten(0, 1), "adv": adv[keep].flatten().to(device), "group": group}
-    best, worst = score.argmax(1), score.argmin(1)
-    keep = score.max(1).values > score.min(1).values
-    idx = torch.arange(n_prompts)
-    chosen, rejected = seqs[idx, best][keep], seqs[idx, worst][keep]
-    if objective == "dpo":
-        return {"chosen": chosen, "rejected": rejected}
-    # KTO: the better sample of each prompt is desirable, the worse one undesirable (unpaired in the loss)
-    return {"seqs": torch.cat([chosen, rejected]),
-            "desirable": torch.cat([torch.ones(len(chosen)), torch.zeros(len(rejected))]).bool().to(device)}
+def label_groups(prompts, seqs):
+    """Score ``GROUP`` samples per prompt (rows grouped prompt-major) and build every objective's examples.
+
+    DPO: best vs worst sample of each prompt; KTO: best desirable, worst undesirable; GRPO: group-normalised
+    advantages. ``informative`` is False for prompts whose samples all score alike (no preference, zero advantage).
+    """
+    n = prompts.shape[0] // GROUP
+    score = token_scores(prompts, seqs[:, PROMPT + 2:]).mean(1).view(n, GROUP)
+    grouped = seqs.view(n, GROUP, -1)
+    idx = torch.arange(n)
+    best, worst = grouped[idx, score.argmax(1)], grouped[idx, score.argmin(1)]
+    adv = (score - score.mean(1, keepdim=True)) / (score.std(1, keepdim=True) + 1e-2)
+    return {"chosen": best, "rejected": worst, "adv": adv.flatten().to(seqs.device), "seqs": seqs,
+            "informative": score.max(1).values > score.min(1).values}
 
 
-def batches(data, objective, batch, gen):
-    if objective == "dpo":
-        n = data["chosen"].shape[0]
-        idx = torch.randperm(n, generator=gen)[:batch]
-        return {"seqs": torch.cat([data["chosen"][idx], data["rejected"][idx]])}
-    if objective == "kto":
-        n = data["seqs"].shape[0]
-        idx = torch.randperm(n, generator=gen)[:batch]
-        seqs = data["seqs"][idx]
-        # KL rows: mismatched prompt/completion pairs (completions shifted by one row)
-        kl = torch.cat([seqs[:, :PROMPT + 2], seqs.roll(1, 0)[:, PROMPT + 2:]], 1)
-        return {"seqs": seqs, "desirable": data["desirable"][idx], "kl_seqs": kl}
-    g = data["group"]
-    n = data["seqs"].shape[0] // g
-    groups = torch.randperm(n, generator=gen)[:max(1, batch // g)]
-    idx = (groups.unsqueeze(1) * g + torch.arange(g)).flatten()
-    return {"seqs": data["seqs"][idx], "adv": data["adv"][idx.to(data["adv"].device)]}
+def offline_pool(behaviour, n_prompts, gen, device):
+    prompts = sample_prompts(n_prompts, gen, device).repeat_interleave(GROUP, 0)
+    ex = label_groups(prompts, generate(behaviour, prompts, gen))
+    keep = ex["informative"]  # the offline data set keeps only pairs with a preference, as a dataset would
+    return {"chosen": ex["chosen"][keep], "rejected": ex["rejected"][keep]}
 
 
-def _logps(model, seqs, grad):
+def dpo_batch(chosen, rejected, use=None):
+    """Chosen rows then rejected rows; pairs with ``use`` False are fully masked (they contribute nothing)."""
+    seqs = torch.cat([chosen, rejected])
+    labels = labels_for(seqs)
+    if use is not None:
+        labels[~torch.cat([use, use]).to(labels.device)] = -100
+    return {"seqs": seqs, "labels": labels}
+
+
+def kto_batch(chosen, rejected, use=None):
+    """Half desirable (best), half undesirable (worst); KL rows: completions shifted by one row."""
+    b = dpo_batch(chosen, rejected, use)
+    seqs = b["seqs"]
+    kl = torch.cat([seqs[:, :PROMPT + 2], seqs.roll(1, 0)[:, PROMPT + 2:]], 1)
+    n = chosen.shape[0]
+    desirable = torch.cat([torch.ones(n), torch.zeros(n)]).bool().to(seqs.device)
+    return {**b, "desirable": desirable, "kl_seqs": kl, "kl_labels": labels_for(kl)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one training run
+
+
+def _token_logps(model, seqs, labels, grad):
     with torch.set_grad_enabled(grad):
-        logits = model(seqs).logits[:, :-1]
-        return logits, labels_for(seqs)
+        return hk.token_logprobs(model(seqs).logits[:, :-1], labels)
 
 
-def train(policy, reference, data, objective, *, humanline, steps, batch, lr, seed, clip, progress, sync_every=1):
+class _Source:
+    """Where an arm's examples come from: the fixed offline pool, the current policy, or (GRPO) stale samples."""
+
+    def __init__(self, arm, objective, pool, batch, gen, device, resample_every):
+        self.arm, self.objective, self.pool, self.batch, self.gen, self.device = arm, objective, pool, batch, gen, \
+            device
+        self.resample_every = resample_every
+        self.buffer, self.sample_s = [], 0.0
+
+    def _sample(self, policy, prompts_n):
+        t = time.perf_counter()
+        prompts = sample_prompts(prompts_n, self.gen, self.device).repeat_interleave(GROUP, 0)
+        ex = label_groups(prompts, generate(policy, prompts, self.gen))
+        if self.objective == "grpo":  # the sampling policy's log-probs: the ratio's denominator off-policy
+            ex["labels"] = labels_for(ex["seqs"])
+            with torch.no_grad():
+                ex["old_logps"] = _token_logps(policy, ex["seqs"], ex["labels"], False)
+        self.sample_s += time.perf_counter() - t
+        return ex
+
+    def next(self, step, policy):
+        if self.objective == "grpo":
+            groups = max(1, self.batch // GROUP)
+            if self.arm == "online":
+                return self._sample(policy, groups)
+            if step % self.resample_every == 0:  # one draw of resample_every steps' examples, used in order
+                self.buffer = [self._sample(policy, groups * self.resample_every)]
+            ex, rows = self.buffer[0], groups * GROUP
+            i = (step % self.resample_every) * rows
+            return {k: ex[k][i:i + rows] for k in ("seqs", "adv", "labels", "old_logps")}
+        pairs = self.batch // 2  # dpo: chosen + rejected rows; kto: as many desirable as undesirable rows
+        build = dpo_batch if self.objective == "dpo" else kto_batch
+        if self.arm == "online":
+            ex = self._sample(policy, pairs)
+            return build(ex["chosen"], ex["rejected"], ex["informative"])
+        idx = torch.randint(0, self.pool["chosen"].shape[0], (pairs,), generator=self.gen)
+        return build(self.pool["chosen"][idx], self.pool["rejected"][idx])
+
+
+def train_arm(arm, objective, start, pool, *, lr, seed, steps, batch, clip, sync_every, resample_every, device,
+              eval_every, eval_n, curve_n, max_grad_norm=1.0):
+    """Train one arm from ``start``; returns its curve, held-out and reported rule rates and costs."""
+    humanline = arm == "offline+humanline"
     gen = torch.Generator().manual_seed(seed)
+    policy = copy.deepcopy(start)
+    reference = copy.deepcopy(start).requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr)
     syncer = hk.ReferenceSyncer(policy, reference, every=sync_every) if humanline else None
+    source = _Source(arm, objective, pool, batch, gen, device, resample_every)
     use_clip = clip if humanline else None
-    clipped, losses = [], []
-    for _ in progress(range(steps)):
-        b = batches(data, objective, batch, gen)
+    eval_seed = 10_000 + seed  # the same evaluation samples for every arm and learning rate of a seed
+    curve, clipped, syncs = [], [], 0
+    train_s = 0.0
+    for step in range(steps):
+        if step % eval_every == 0:
+            curve.append((step, rule_rate(policy, torch.Generator().manual_seed(eval_seed + step), device, curve_n)))
+        t = time.perf_counter()
+        b = source.next(step, policy)
         with torch.no_grad():
-            ref_logits, labels = _logps(reference, b["seqs"], False)
-            ref_logps = hk.token_logprobs(ref_logits, labels)
+            if objective != "grpo" or humanline:
+                ref_logps = _token_logps(reference, b["seqs"], b["labels"], False)
             if objective == "kto":
-                kl_labels = labels_for(b["kl_seqs"])
-                kl_ref = hk.token_logprobs(reference(b["kl_seqs"]).logits[:, :-1], kl_labels)
-                kl_pol = hk.token_logprobs(policy(b["kl_seqs"]).logits[:, :-1], kl_labels)
+                kl_ref = _token_logps(reference, b["kl_seqs"], b["kl_labels"], False)
+                kl_pol = _token_logps(policy, b["kl_seqs"], b["kl_labels"], False)
         if syncer is not None:
             syncer.start()  # after the last reference forward of this step
-        logits, labels = _logps(policy, b["seqs"], True)
+        logits = policy(b["seqs"]).logits[:, :-1]
         if objective == "dpo":
-            loss, m = hk.fused.dpo(logits, labels, ref_logps, clip=use_clip, beta=0.1)
+            loss, m = hk.fused.dpo(logits, b["labels"], ref_logps, clip=use_clip, beta=0.1)
         elif objective == "kto":
-            loss, m = hk.fused.kto(logits, labels, ref_logps, b["desirable"], kl_pol, kl_ref, kl_labels != -100,
-                                   clip=use_clip, beta=0.1)
+            loss, m = hk.fused.kto(logits, b["labels"], ref_logps, b["desirable"], kl_pol, kl_ref,
+                                   b["kl_labels"] != -100, clip=use_clip, beta=0.1)
         else:
-            loss, m = hk.fused.grpo(logits, labels, ref_logps, b["adv"], clip=use_clip, beta=0.0)
+            if not humanline:  # off-policy: the sampler's log-probs; online they equal the policy's (ratio 1)
+                ref_logps = (b["old_logps"] if arm == "offline" else
+                             hk.token_logprobs(logits.detach(), b["labels"]))
+            loss, m = hk.fused.grpo(logits, b["labels"], ref_logps, b["adv"], clip=use_clip, beta=0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
         if syncer is not None:
-            syncer.wait()  # the reference now holds the policy from before this update
+            syncs += syncer.wait()  # on a sync step the reference now holds the policy from before this update
         opt.step()
-        losses.append(loss.detach())
-        clipped.append(1.0 - m["unclipped_frac"])
-    return torch.stack(losses).cpu(), torch.stack(clipped).cpu()
+        train_s += time.perf_counter() - t
+        if humanline:
+            clipped.append(1.0 - m["unclipped_frac"])
+    curve.append((steps, rule_rate(policy, torch.Generator().manual_seed(eval_seed + steps), device, curve_n)))
+    return {"arm": arm, "lr": lr, "seed": seed, "curve": curve,
+            "heldout": rule_rate(policy, torch.Generator().manual_seed(eval_seed + 1), device, eval_n, "heldout"),
+            "report": rule_rate(policy, torch.Generator().manual_seed(eval_seed + 2), device, eval_n, "report"),
+            "clip_frac": torch.stack(clipped).float().mean().item() if clipped else None,
+            "syncs": syncs, "wall_s": train_s, "sample_s": source.sample_s}
 
 
-def run(objective="dpo", steps=200, seed=0, device="auto", batch=32, lr=2e-4, sft_steps=150, eval_n=512,
-        clip=None, sync_every=None, quiet=False, out=sys.stdout):
-    """Run offline and humanline training of one objective; print the table and return the measured rows."""
+# ---------------------------------------------------------------------------------------------------------------
+# tuning, table, verdict, plot
+
+
+def _mean_se(xs):
+    xs = [float(x) for x in xs]
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var / len(xs))
+
+
+def select_best(runs):
+    """Per arm, the learning rate with the best mean held-out rule rate (ties: the smaller learning rate).
+
+    Only ``heldout`` decides; the returned rows summarise that learning rate's runs on the reported set."""
+    best = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        mine = [r for r in runs if r["arm"] == arm]
+        lrs = sorted({r["lr"] for r in mine})
+        score = {lr: _mean_se([r["heldout"] for r in mine if r["lr"] == lr])[0] for lr in lrs}
+        lr = max(lrs, key=lambda x: (score[x], -x))
+        chosen = [r for r in mine if r["lr"] == lr]
+        rate, se = _mean_se([r["report"] for r in chosen])
+        clip = [r["clip_frac"] for r in chosen if r["clip_frac"] is not None]
+        best[arm] = {"arm": arm, "lr": lr, "rule_rate": rate, "se": se, "heldout": score[lr],
+                     "clip_frac": sum(clip) / len(clip) if clip else None,
+                     "syncs": chosen[0]["syncs"], "wall_s": _mean_se([r["wall_s"] for r in chosen])[0],
+                     "sample_s": _mean_se([r["sample_s"] for r in chosen])[0], "runs": chosen}
+    return best
+
+
+def verdict(best, objective):
+    """One plain sentence from the numbers: offline+humanline against online (rate and time) and offline."""
+    hl, on, off = best["offline+humanline"], best["online"], best["offline"]
+
+    def compare(a, b, name):
+        diff, se = a["rule_rate"] - b["rule_rate"], math.hypot(a["se"], b["se"])
+        if not se > 0:
+            return f"{'equal to' if diff == 0 else ('above' if diff > 0 else 'below')} {name} ({b['rule_rate']:.3f})"
+        if abs(diff) <= se:
+            return f"within 1 s.e. of {name} ({b['rule_rate']:.3f} +- {b['se']:.3f})"
+        return (f"{'above' if diff > 0 else 'below'} {name} ({b['rule_rate']:.3f} +- {b['se']:.3f}) by "
+                f"{abs(diff):.3f} = {abs(diff) / se:.1f} s.e.")
+    speed = on["wall_s"] / hl["wall_s"] if hl["wall_s"] > 0 else float("inf")
+    pace = f"{speed:.1f}x faster than online" if speed >= 1 else f"{1 / speed:.1f}x slower than online"
+    return (f"verdict: offline+humanline {objective.upper()} reaches a rule rate of {hl['rule_rate']:.3f} +- "
+            f"{hl['se']:.3f}, {compare(hl, on, 'online')} and {pace}; {compare(hl, off, 'plain offline')}.")
+
+
+def print_table(best, info, out):
+    print(f"\nhumanline demo: {info['objective']}, {info['steps']} steps x {info['batch']} sequences, "
+          f"{info['seeds']} seeds, learning rates {', '.join(f'{x:g}' for x in info['lrs'])}, device={info['device']}; "
+          f"clip [{info['clip'].log_eps_p}, {info['clip'].log_eps_r}], sync every {info['sync_every']}"
+          + (f", offline samples redrawn every {info['resample_every']} steps" if info["objective"] == "grpo" else "")
+          + f"; setup {info['setup_s']:.1f}s, total {info['total_s']:.1f}s with {info['workers']} process(es)",
+          file=out)
+    print(f"rule rate of the behaviour model (offline data) {info['behaviour']:.3f}, "
+          f"of the starting policy {info['start']:.3f}", file=out)
+    head = (f"{'arm':<18} {'rule_rate':>15} {'heldout':>8} {'clip_frac':>9} {'syncs':>5} {'wall_s':>7} "
+            f"{'sample_s':>8} {'best_lr':>8}")
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for arm in ARMS:
+        r = best[arm]
+        cf = "off" if r["clip_frac"] is None else f"{r['clip_frac']:.3f}"
+        rate = f"{r['rule_rate']:.3f} +- {r['se']:.3f}"
+        print(f"{arm:<18} {rate:>15} {r['heldout']:>8.3f} {cf:>9} {r['syncs']:>5} {r['wall_s']:>7.2f} "
+              f"{r['sample_s']:>8.2f} {r['lr']:>8.0e}", file=out)
+    print("rule_rate: reported prompts, mean +- s.e. over seeds at the arm's best learning rate (chosen on the held-out "
+          "prompts: heldout); clip_frac: mean fraction of tokens clamped; wall_s: seconds per run of training, "
+          "sampling included (sample_s).", file=out)
+
+
+def plot(best, path, info):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for arm in ARMS:
+        runs = best[arm]["runs"]
+        steps = [s for s, _ in runs[0]["curve"]]
+        stats = [_mean_se([r["curve"][i][1] for r in runs]) for i in range(len(steps))]
+        mean = [m for m, _ in stats]
+        se = [0.0 if s != s else s for _, s in stats]
+        line, = ax.plot(steps, mean, marker="o", ms=3, label=f"{arm} (lr {best[arm]['lr']:g})")
+        ax.fill_between(steps, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)],
+                        color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("rule rate of own samples")
+    ax.set_title(f"{info['objective'].upper()}: {info['seeds']} seeds, mean +- s.e., best lr per arm")
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+def _workers(asked, device, jobs):
+    """CPU: one process per core (up to 4), one thread each: the models are so small that intra-op threads
+    only add overhead, while the runs of the grid are independent. CUDA: one process."""
+    if asked is not None:
+        return max(1, min(asked, jobs))
+    if device != "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 4, jobs))
+
+
+def _worker_init(threads):
+    torch.set_num_threads(threads)
+
+
+def _worker_run(job):
+    arm, lr, s, state, pool, common = job
+    start = _make_model(0, common["device"])
+    start.load_state_dict(state)
+    return train_arm(arm, start=start, pool=pool, lr=lr, seed=s, **common)
+
+
+def _run_pool(grid, start, pool, common, workers, bar):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    state = {k: v.detach().cpu() for k, v in start.state_dict().items()}
+    # spawn, not fork: a forked child of a process that already ran torch's thread pools can deadlock
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(1,)) as ex:
+        futures = {ex.submit(_worker_run, (arm, lr, s, state, pool, common)): i
+                   for i, (arm, lr, s) in enumerate(grid)}
+        runs = [None] * len(grid)
+        for f in bar(cf.as_completed(futures), len(futures)):
+            runs[futures[f]] = f.result()
+    return runs
+
+
+def run(objective="dpo", steps=60, seeds=3, lrs=DEFAULT_LRS, seed=0, device="auto", batch=16, sft_steps=100,
+        eval_n=256, clip=None, sync_every=None, resample_every=10, plot_path=None, workers=None, quiet=False,
+        out=sys.stdout):
+    """Run the three arms over the learning-rate grid and seeds; print the table and verdict; return the numbers."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     clip = clip or hk.HumanlineClip()
     # the paper's defaults: sync every step for instruction following, every 12-24 steps for GRPO
     sync_every = sync_every or (12 if objective == "grpo" else 1)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         def tqdm(it, **_):
             return it
-    gen = torch.Generator().manual_seed(seed)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # tiny models: one thread per process is faster (see _workers)
+    try:
+        return _run(objective, steps, seeds, lrs, seed, device, batch, sft_steps, eval_n, clip, sync_every,
+                    resample_every, plot_path, workers, quiet, out, tqdm)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(objective, steps, seeds, lrs, seed, device, batch, sft_steps, eval_n, clip, sync_every, resample_every,
+         plot_path, workers, quiet, out, tqdm):
     t0 = time.perf_counter()
-    behaviour = fit_sft(_make_model(seed + 1, device), 0.35, sft_steps, gen, device)
-    start = fit_sft(_make_model(seed + 2, device), 0.5, sft_steps, gen, device)
-    data = offline_data(behaviour, objective, 256, gen, device)
-    base = {"behaviour": rule_rate(behaviour, gen, device, eval_n), "start": rule_rate(start, gen, device, eval_n)}
-    prep = time.perf_counter() - t0
-    rows = []
-    for name, humanline in (("offline", False), ("humanline", True)):
-        policy, reference = copy.deepcopy(start), copy.deepcopy(start)
-        reference.requires_grad_(False)
-        t1 = time.perf_counter()
-        bar = (lambda it: it) if quiet else (lambda it: tqdm(it, desc=f"{name} {objective}", leave=False))
-        losses, clipped = train(policy, reference, data, objective, humanline=humanline, steps=steps, batch=batch,
-                                lr=lr, seed=seed + 3, clip=clip, progress=bar,
-                                sync_every=sync_every)
-        wall = time.perf_counter() - t1
-        rate = rule_rate(policy, torch.Generator().manual_seed(seed + 4), device, eval_n)
-        rows.append({"run": f"{name} {objective}", "rule_rate": rate,
-                     "clip_frac": clipped.mean().item() if humanline else None,
-                     "final_loss": losses[-10:].mean().item(), "wall_s": wall})
-    _print_table(rows, base, prep, objective, steps, device, clip, sync_every, out)
-    return {"rows": rows, "baseline": base}
+    gen = torch.Generator().manual_seed(seed)
+    behaviour = fit_sft(_make_model(seed + 1, device), sft_steps, gen, device, p_rule=0.3, p_whole=0.5)
+    start = fit_sft(_make_model(seed + 2, device), sft_steps, gen, device, p_rule=0.6)
+    pool = offline_pool(behaviour, 512, gen, device) if objective != "grpo" else None
+    info = {"objective": objective, "steps": steps, "batch": batch, "seeds": seeds, "lrs": list(lrs),
+            "device": device, "clip": clip, "sync_every": sync_every, "resample_every": resample_every,
+            "behaviour": rule_rate(behaviour, torch.Generator().manual_seed(seed), device, eval_n),
+            "start": rule_rate(start, torch.Generator().manual_seed(seed), device, eval_n)}
+    info["setup_s"] = time.perf_counter() - t0
+    grid = [(arm, lr, seed * 1000 + s) for s in range(seeds) for lr in lrs for arm in ARMS]
+    common = dict(objective=objective, steps=steps, batch=batch, clip=clip, sync_every=sync_every,
+                  resample_every=resample_every, device=device, eval_every=max(1, steps // 6), eval_n=eval_n,
+                  curve_n=min(eval_n, 128))
+    bar = (lambda it, total: it) if quiet else (
+        lambda it, total: tqdm(it, total=total, desc=f"{objective}: arms x lrs x seeds", leave=False))
+    workers = _workers(workers, device, len(grid))
+    if workers == 1:
+        runs = [train_arm(arm, start=start, pool=pool, lr=lr, seed=s, **common) for arm, lr, s in bar(grid, len(grid))]
+    else:
+        runs = _run_pool(grid, start, pool, common, workers, bar)
+    info["workers"] = workers
+    best = select_best(runs)
+    info["total_s"] = time.perf_counter() - t0
+    print_table(best, info, out)
+    line = verdict(best, objective)
+    print(line, file=out)
+    shown = plot(best, plot_path, info) if plot_path else None
+    if shown:
+        print(shown, file=out)
+    return {"best": best, "runs": runs, "info": info, "verdict": line}
 
 
-def _print_table(rows, base, prep, objective, steps, device, clip, sync_every, out):
-    print(f"\nhumanline demo: {objective}, {steps} steps, device={device}, "
-          f"humanline: clip=[{clip.log_eps_p}, {clip.log_eps_r}], sync every {sync_every} step(s); setup {prep:.1f}s",
-          file=out)
-    print(f"rule-following rate of samples: behaviour model (offline data) {base['behaviour']:.3f}, "
-          f"starting policy {base['start']:.3f}", file=out)
-    head = f"{'run':<18} {'rule_rate':>9} {'clip_frac':>9} {'final_loss':>10} {'wall_s':>7}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for r in rows:
-        cf = "off" if r["clip_frac"] is None else f"{r['clip_frac']:.3f}"
-        print(f"{r['run']:<18} {r['rule_rate']:>9.3f} {cf:>9} {r['final_loss']:>10.4f} {r['wall_s']:>7.1f}",
-              file=out)
-    print("rule_rate: fraction of the policy's own samples (temperature 1) that follow the rule exactly; "
-          "clip_frac: mean fraction of tokens outside the clip band; final_loss: mean of the last 10 steps.",
-          file=out)
+# ---------------------------------------------------------------------------------------------------------------
+# command line
 
 
 def _int_at_least(low):
@@ -272,31 +512,59 @@ def _positive_float(text):
     return v
 
 
+def _lr_grid(text):
+    values = [_positive_float(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of learning rates, e.g. 3e-4,1e-3")
+    return tuple(sorted(set(values)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m humanline_kernels.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--objective", choices=["dpo", "kto", "grpo"], default="dpo", help="the loss to train")
-    p.add_argument("--steps", type=_int_at_least(1), default=200, help="optimizer steps per run")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--steps", type=_int_at_least(1), default=60, help="optimizer steps per run")
+    p.add_argument("--seeds", type=_int_at_least(2), default=3, help="seeds per arm and learning rate")
+    p.add_argument("--lrs", type=_lr_grid, default=DEFAULT_LRS, help="learning-rate grid, comma-separated, "
+                   "the same for every arm")
+    p.add_argument("--seed", type=_int_at_least(0), default=0,
+                   help="base seed (behaviour model, starting policy, offline data)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda when available, else cpu")
-    p.add_argument("--batch", type=_int_at_least(2), default=32, help="sequences per step (DPO: pairs x 2)")
-    p.add_argument("--lr", type=_positive_float, default=2e-4, help="learning rate")
+    p.add_argument("--batch", type=_int_at_least(GROUP), default=16,
+                   help="sequences per step (dpo/kto: pairs x 2; grpo: groups of 4)")
     p.add_argument("--sync-every", type=_int_at_least(1), default=None,
                    help="humanline sync interval (default: 1 for dpo/kto, 12 for grpo)")
-    p.add_argument("--sft-steps", type=_int_at_least(0), default=150, help="steps that train the behaviour model")
+    p.add_argument("--resample-every", type=_int_at_least(1), default=10,
+                   help="grpo: the offline arms draw the policy's samples this many times less often than online")
+    p.add_argument("--sft-steps", type=_int_at_least(0), default=100,
+                   help="SFT steps that fit the behaviour model and the starting policy")
+    p.add_argument("--eval-n", type=_int_at_least(16), default=256, help="samples per rule-rate evaluation")
     p.add_argument("--log-eps-p", type=float, default=-1.5, help="lower end of the clip band")
     p.add_argument("--log-eps-r", type=float, default=1.5, help="upper end of the clip band")
+    p.add_argument("--plot", default="humanline-demo-{objective}.png", metavar="PATH",
+                   help="where the plot of rule rate over steps is written")
+    p.add_argument("--no-plot", action="store_true", help="write no plot")
+    p.add_argument("--workers", type=_int_at_least(1), default=None,
+                   help="processes for the runs of the grid (default: one per core up to 4 on CPU, 1 on CUDA)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
     if not (a.log_eps_p <= a.log_eps_r) or any(v != v or abs(v) == float("inf") for v in (a.log_eps_p, a.log_eps_r)):
         p.error(f"the clip band must be finite with --log-eps-p <= --log-eps-r, got [{a.log_eps_p}, {a.log_eps_r}]")
-    if a.objective == "dpo" and a.batch % 2:
-        p.error(f"--batch must be even for dpo (chosen and rejected rows), got {a.batch}")
-    run(a.objective, a.steps, a.seed, a.device, a.batch, a.lr, a.sft_steps,
-        clip=hk.HumanlineClip(a.log_eps_p, a.log_eps_r), sync_every=a.sync_every, quiet=a.quiet)
+    if a.objective in ("dpo", "kto") and a.batch % 2:
+        p.error(f"--batch must be even for {a.objective} (chosen/desirable and rejected/undesirable rows), "
+                f"got {a.batch}")
+    if a.objective == "grpo" and a.batch % GROUP:
+        p.error(f"--batch must be a multiple of the group size {GROUP} for grpo, got {a.batch}")
+    try:
+        plot_path = None if a.no_plot else a.plot.format(objective=a.objective)
+    except (KeyError, IndexError, ValueError):
+        p.error(f"--plot: only {{objective}} may be substituted in the path, got {a.plot!r}")
+    run(a.objective, a.steps, a.seeds, a.lrs, a.seed, a.device, a.batch, a.sft_steps, a.eval_n,
+        clip=hk.HumanlineClip(a.log_eps_p, a.log_eps_r), sync_every=a.sync_every, resample_every=a.resample_every,
+        plot_path=plot_path, workers=a.workers, quiet=a.quiet)
     return 0
 
 
