@@ -37,7 +37,8 @@ def install_head(model, fused: str, temperature: float = 1.0, entropy: bool = Tr
     """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) to use our fused paths.
 
     ``entropy``: also return the (detached) per-token entropy, as TRL's head does for the policy (True) and not
-    for the reference (False)."""
+    for the reference (False). A call can override it with ``hk_entropy=False`` (the lookahead's reference
+    forwards through the policy, which need no entropy)."""
     if fused not in FUSED_MODES:
         raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
     if fused == "off":
@@ -46,10 +47,11 @@ def install_head(model, fused: str, temperature: float = 1.0, entropy: bool = Tr
     trl_forward = model.forward
 
     @functools.wraps(type(model).forward)
-    def _humanline_forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
+    def _humanline_forward(self, *args, fused_lm_head=False, labels=None, hk_entropy=None, **kwargs):
         if not fused_lm_head:
             return trl_forward(*args, labels=labels, **kwargs)
-        return _fused_logprobs(self, trl_forward, fused, temperature, entropy, args, labels, kwargs)
+        want_entropy = entropy if hk_entropy is None else hk_entropy
+        return _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, labels, kwargs)
 
     model.forward = types.MethodType(_humanline_forward, model)
 

@@ -16,6 +16,9 @@ Per optimizer step::
         lookahead.wait()                    # right before optimizer.step(): sync steps compute the next window
         optimizer.step(); optimizer.zero_grad()
 
+Calling ``wait()`` at the start of the step instead (before its forward) is equivalent when nothing changes the
+parameters in between (they are θ_t at both points); the TRL trainers do that.
+
 ``batches`` yields one optimizer step's batch (any object; a tuple or dict is one batch), or a ``list`` of
 micro-batches under gradient accumulation (then ``ref_logps`` is a list too);
 ``logps_fn(model, micro_batch)`` returns the per-token log-probs of a micro-batch (e.g. through
