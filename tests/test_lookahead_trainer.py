@@ -23,7 +23,8 @@ TRAINERS = {"dpo": (HumanlineDPOTrainer, HumanlineDPOConfig, pref_data),
             "kto": (HumanlineKTOTrainer, HumanlineKTOConfig, kto_data)}
 
 
-def _train(monkeypatch, tiny_path, algo, reference, *, every, accum, batch, steps, fused, peft_config=None):
+def _train(monkeypatch, tiny_path, algo, reference, *, every, accum, batch, steps, fused, peft_config=None,
+           model_path=None, **extra):
     """Train; return per micro-batch what the loss got (reference log-probs, KTO's KL rows' too, loss) and the
     parameters after every optimizer step."""
     trainer_cls, config_cls, data = TRAINERS[algo]
@@ -38,16 +39,19 @@ def _train(monkeypatch, tiny_path, algo, reference, *, every, accum, batch, step
         return loss, met
     monkeypatch.setattr(hk_trl.losses, algo, recording)
     kw = dict(COMMON, output_dir=tiny_path + f"/{algo}-{reference}", per_device_train_batch_size=batch,
-              max_steps=steps, learning_rate=5e-2, gradient_accumulation_steps=accum)
-    tr = trainer_cls(tiny_path, args=config_cls(**kw, sync_every=every, humanline_reference=reference, fused=fused),
-                     train_dataset=data(), processing_class=tiny.tiny_tokenizer(), peft_config=peft_config)
+              max_steps=steps, learning_rate=5e-2, gradient_accumulation_steps=accum, **extra)
+    args = config_cls(**kw, sync_every=every, humanline_reference=reference, fused=fused)
+    tr = trainer_cls(model_path or tiny_path, args=args, train_dataset=data(), processing_class=tiny.tiny_tokenizer(),
+                     peft_config=peft_config)
     params = []
 
     class Snap(TrainerCallback):
         def on_step_end(self, *a, **k):  # (the trained parameters: not a PEFT policy's reference adapter)
             params.append([p.detach().clone() for n, p in tr.model.named_parameters() if ".ref." not in n])
     tr.add_callback(Snap())
-    torch.manual_seed(0)  # the shuffling sampler draws from the global RNG: the same order in both runs
+    # the data order is args.seed's (accelerate's seedable sampler, its own generator); the global RNG gives the
+    # dropout masks (and the data loader's base seed): the same start in both runs
+    torch.manual_seed(0)
     tr.train()
     monkeypatch.undo()
     return tr, seen, params
@@ -90,6 +94,71 @@ def test_lookahead_trains_like_a_synced_reference(monkeypatch, tiny_path, algo, 
     assert look.hk_la_syncs == sync.hk_sync.num_syncs == len(range(0, steps, every))
     if algo == "kto":
         assert all(r[1] is not None for r in l_seen)  # the KL baseline's rows had lookahead reference log-probs
+
+
+@pytest.fixture(scope="module")
+def dropout_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tinydrop"))
+    model = tiny.tiny_model()
+    model.config.attention_dropout = 0.3
+    model.save_pretrained(path)
+    tiny.tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_lookahead_with_dropout_trains_like_a_synced_reference(monkeypatch, tiny_path, dropout_path):
+    """Dropout on in training (disable_dropout=False): the same masks as "sync", step for step. 12 pairs, batch 4:
+    3 steps an epoch; sync_every=2: step 2's window (steps 3, 4) is drawn from epoch 1 at step 2, before that
+    step's dropout; the data loader's seed draw for epoch 1 must still come where the stock loop makes it.
+    Also: the window forwards run in eval mode (no dropout: they would differ from the eval-mode reference model of
+    "sync", and draw from the RNG, shifting the later masks)."""
+    run = dict(every=2, accum=1, batch=4, steps=5, fused="off", model_path=dropout_path, disable_dropout=False)
+    sync, s_seen, s_params = _train(monkeypatch, tiny_path, "dpo", "sync", **run)
+    modes = []
+    reference_of = hk_trl.HumanlineDPOTrainer._hk_reference_of
+
+    def recording(self, policy, inputs):
+        modes.append(any(m.training for m in policy.modules()))
+        return reference_of(self, policy, inputs)
+    monkeypatch.setattr(hk_trl.HumanlineDPOTrainer, "_hk_reference_of", recording)
+    look, l_seen, l_params = _train(monkeypatch, tiny_path, "dpo", "lookahead", **run)
+    assert look.state.epoch > 1 and len(modes) == 5 and not any(modes)
+    assert not sync.ref_model.training and look.model.training
+    # dropout is on: step 0's policy log-probs (θ_0, train mode) differ from its reference (θ_0, eval mode)
+    assert not torch.allclose(l_seen[0][0], l_seen[0][3])
+    assert len(s_seen) == len(l_seen) == 5 and len(s_params) == len(l_params) == 5
+    for i, (a, b) in enumerate(zip(s_seen, l_seen)):
+        _same(a[0], b[0], f"step {i}: reference log-probs")
+        _same(a[2], b[2], f"step {i}: loss")
+        _same(a[3], b[3], f"step {i}: policy log-probs")
+    for t, (a, b) in enumerate(zip(s_params, l_params)):
+        for x, y in zip(a, b):
+            _same(x, y, f"parameters after step {t}")
+
+
+def test_lookahead_refuses_leaving_an_epoch_early(tiny_path):
+    """A callback that ends an epoch early: the stock loop starts the next epoch afresh, while the lookahead already
+    drew the rest of the epoch for its window: refused, not trained on the wrong data."""
+    class StopEpoch(TrainerCallback):
+        def on_step_end(self, args, state, control, **k):
+            if state.global_step == 1:
+                control.should_epoch_stop = True
+    kw = dict(COMMON, output_dir=tiny_path + "/stop", per_device_train_batch_size=4, max_steps=4, fused="off")
+    tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, sync_every=2, humanline_reference="lookahead"),
+                             train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer(),
+                             callbacks=[StopEpoch()])
+    with pytest.raises(RuntimeError, match="leaving an epoch early"):
+        tr.train()
+    assert tr.state.global_step == 1
+
+
+def test_lookahead_refuses_data_without_a_length(tiny_path):
+    """An IterableDataset: transformers restarts it whenever it runs out (with partial steps that get no optimizer
+    step); the lookahead plans the coming steps from the data's length, so it refuses one without."""
+    kw = dict(COMMON, output_dir=tiny_path + "/iter", per_device_train_batch_size=4, max_steps=5, fused="off")
+    with pytest.raises(ValueError, match="needs a training dataset with a length"):
+        HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**kw, humanline_reference="lookahead"),
+                            train_dataset=pref_data().to_iterable_dataset(), processing_class=tiny.tiny_tokenizer())
 
 
 def test_lookahead_peft_policy_needs_no_reference_adapter(monkeypatch, tiny_path):
@@ -183,6 +252,10 @@ def test_bad_lookahead_settings_are_refused(tiny_path, algo):
         trainer_cls(tiny_path, args=config_cls(**kw, humanline_reference="lookahead", eval_strategy="steps",
                                                eval_steps=1), train_dataset=data(), eval_dataset=data(),
                     processing_class=tiny.tiny_tokenizer())
+    with pytest.MonkeyPatch.context() as mp:  # context parallelism (a ParallelismConfig with cp_size > 1)
+        mp.setattr(trainer_cls, "get_cp_size", lambda self: 2)
+        with pytest.raises(ValueError, match="context or sequence parallelism"):
+            trainer_cls(tiny_path, args=args, train_dataset=data(), processing_class=tiny.tiny_tokenizer())
 
 
 def _ddp_worker(rank, world, port, path, out_dir):

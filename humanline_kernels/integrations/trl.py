@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers.trainer_utils import has_length
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
@@ -176,7 +177,7 @@ def _precheck_lookahead(name, args, ref_model):
     if ref_model is not None:
         raise ValueError(f"{name}: humanline_reference='lookahead' uses no reference model (the policy computes the "
                          "reference log-probs); do not pass ref_model, or use humanline_reference='sync'")
-    _refuse(str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"),
+    _refuse(args.eval_strategy != "no",
             f"{name}: evaluation needs reference log-probs of the evaluation batches, which humanline_reference="
             "'lookahead' does not have (no reference model); set eval_strategy='no' or use humanline_reference='sync'")
 
@@ -213,22 +214,18 @@ class _HumanlineMixin:
             # no reference model and no reference adapter: the policy computes the reference log-probs
             if self.ref_model is not None:
                 raise RuntimeError(f"{name}: TRL built a reference model despite humanline_reference='lookahead'")
-            _refuse(self.hk_fused != "off" and getattr(self, "aux_loss_enabled", False),
-                    f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
-            install_head(self.model.get_base_model() if is_peft_model(self.model) else self.model, self.hk_fused,
-                         temperature)
-            self.hk_sync = None
-            return
-        if self.ref_model is None and self.hk_humanline and not peft_policy:
+            self._hk_precheck_lookahead_trainer(name)
+        elif self.ref_model is None and self.hk_humanline and not peft_policy:
             raise ValueError(f"{name}: humanline needs a reference model (pass ref_model=... or let TRL build one)")
-        if self.hk_fused != "off":
-            _refuse(getattr(self, "aux_loss_enabled", False),
-                    f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
+        _refuse(self.hk_fused != "off" and getattr(self, "aux_loss_enabled", False),
+                f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         install_head(policy, self.hk_fused, temperature)
+        self.hk_sync = None
+        if self.hk_lookahead:
+            return
         if self.ref_model is not None:
             install_head(_hf_module(self.ref_model), self.hk_fused, temperature, entropy=False)
-        self.hk_sync = None
         if self.hk_humanline and peft_policy:
             # PEFT: the reference is a frozen second adapter synced from the trained one (TRL's adapter-disabled
             # reference is the base model, not the pre-update policy that humanline needs); added now, before
@@ -261,7 +258,9 @@ class _HumanlineMixin:
                 if _checkpointing_on(self.args) else contextlib.nullcontext())
         with torch.no_grad(), ckpt:
             if policy is not None:
-                return policy(**kwargs, labels=labels, fused_lm_head=True).log_probs
+                # no entropy: a reference needs none (TRL's head, fused="off", computes its fixed outputs anyway)
+                extra = {"hk_entropy": False} if self.hk_fused != "off" else {}
+                return policy(**kwargs, labels=labels, fused_lm_head=True, **extra).log_probs
             if self.ref_model is None and is_peft_model(self.model):
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
@@ -302,7 +301,21 @@ class _HumanlineMixin:
         """Per-token reference log-probs of a micro-batch, computed by ``policy`` (see the trainers)."""
         raise NotImplementedError
 
+    def _hk_precheck_lookahead_trainer(self, name):
+        # the stream plans the coming steps from the data's length (a dataset without one restarts whenever it runs
+        # out, with partial steps that transformers trains without an optimizer step)
+        _refuse(self.train_dataset is not None and not has_length(self.train_dataset),
+                f"{name}: {_LOOKAHEAD_NEEDS_LENGTH}")
+        cp = getattr(self, "get_cp_size", lambda: 1)()
+        sp = getattr(self, "get_sp_size", lambda: 1)()
+        _refuse(cp > 1 or sp > 1,
+                f"{name}: humanline_reference='lookahead' does not support context or sequence parallelism (cp_size="
+                f"{cp}, sp_size={sp}): its reference forwards over the coming steps' batches do not split the "
+                "sequences; use humanline_reference='sync'")
+
     def set_initial_training_values(self, args, dataloader, *a, **k):
+        if self.hk_lookahead and not has_length(dataloader):
+            raise ValueError(f"{type(self).__name__}: {_LOOKAHEAD_NEEDS_LENGTH}")
         values = super().set_initial_training_values(args, dataloader, *a, **k)
         # (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
         #  steps_in_epoch, max_steps): the loop bounds of _inner_training_loop / _run_epoch
@@ -318,12 +331,18 @@ class _HumanlineMixin:
                 "from a policy that no longer exists); train from the start or use humanline_reference='sync'")
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         self._hk_train_dataloader, self.hk_la, self.hk_la_syncs = train_dataloader, None, 0
+        self._hk_loop_iterator = self._hk_loop_epoch = None
         return model, train_dataloader
+
+    def _run_epoch(self, *args, **kwargs):
+        # the epoch the loop runs, to check that the lookahead's stream is in the same one
+        self._hk_loop_epoch = kwargs["epoch"] if "epoch" in kwargs else args[1]
+        return super()._run_epoch(*args, **kwargs)
 
     def _hk_step_batches(self, first_iterator):
         """Every optimizer step's list of micro-batches from the current step to max_steps, as _run_epoch draws
         them: the epoch iterator it made, then, past the end of an epoch, the next epoch's, made as it would make it
-        (and earlier: see docs/lookahead.md for the data order with dropout on)."""
+        but earlier (the global torch RNG draws this makes are replayed at the step they belong to: _hk_draw)."""
         loop, accum = self._hk_loop, self.args.gradient_accumulation_steps
         remainder = loop["steps_in_epoch"] % accum or accum
         steps_left = loop["max_steps"] - self.state.global_step
@@ -331,12 +350,14 @@ class _HumanlineMixin:
         while steps_left > 0:
             for update in range(loop["updates_per_epoch"]):
                 n = accum if update != loop["updates_per_epoch"] - 1 else remainder
-                # what Trainer.get_batch_samples draws (up to n, fewer at the end), without its num_items count:
-                # that may be a collective (average_tokens_across_devices); it is made for the step when it runs
-                batches = _StepBatches(itertools.islice(iterator, n))
-                if not batches:
-                    return  # the data ran out (an iterable dataset)
-                batches.wanted = n
+                # what Trainer.get_batch_samples draws (n micro-batches), without its num_items count: that may be
+                # a collective (average_tokens_across_devices); it is made for the step when it runs
+                batches = _StepBatches(wanted=n, epoch=epoch, first=update == 0)
+                for _ in range(n):
+                    mb = self._hk_draw(iterator, batches)
+                    if mb is _END:
+                        break
+                    batches.append(mb)
                 yield batches
                 steps_left -= 1
                 if steps_left == 0:
@@ -352,29 +373,69 @@ class _HumanlineMixin:
                 inner.set_epoch(epoch)
             iterator = iter(loader)  # _run_epoch's own iterator for this epoch is then never advanced
 
+    def _hk_draw(self, iterator, step):
+        """``next(iterator)`` (or _END), keeping the global CPU RNG as it was. The first draw of an epoch makes
+        torch's DataLoader draw its base seed from that RNG (``_BaseDataLoaderIter.__init__``; a RandomSampler
+        without a generator also draws its seed). The stream draws ahead, at a sync step, while the stock loop draws
+        at the step itself, after the dropout masks of the steps in between: so the draws are undone here and
+        replayed by get_batch_samples at that step (``step.rng_draws``), leaving the RNG stream of the training
+        steps (dropout) the stock loop's."""
+        before = torch.get_rng_state()
+        try:
+            mb = next(iterator)
+        except StopIteration:
+            mb = _END
+        after = torch.get_rng_state()
+        if not torch.equal(before, after):
+            draws = _int64_draws(before, after)
+            if draws is None:  # not a run of seed draws: leave the RNG as the draw left it
+                warnings.warn("humanline_reference='lookahead': the data loader drew from the global torch RNG in a "
+                              "way that cannot be replayed at its step; training is valid, but its random stream "
+                              "(dropout masks) differs from the stock trainer's", RuntimeWarning, stacklevel=2)
+            else:
+                torch.set_rng_state(before)
+                step.rng_draws += draws
+        return mb
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         if not self.hk_lookahead:  # (the training loop is its only caller; the model may still be in eval mode)
             return super().get_batch_samples(epoch_iterator, num_batches, device)
+        name = type(self).__name__
         if self.hk_la is None:
-            if not hasattr(self, "_hk_loop") or not hasattr(self, "_hk_train_dataloader"):
-                raise RuntimeError(f"{type(self).__name__}: humanline_reference='lookahead' follows the training loop "
+            if getattr(self, "_hk_loop_epoch", None) is None or not hasattr(self, "_hk_loop"):
+                raise RuntimeError(f"{name}: humanline_reference='lookahead' follows the training loop "
                                    "of transformers 5.x (set_initial_training_values, _prepare_for_training, "
                                    "_run_epoch); this transformers version does not call them")
             from ..sync._lookahead import LookaheadReference
             self.hk_la = LookaheadReference(self.model, self._hk_step_batches(epoch_iterator),
                                             self._hk_reference_of, every=self.hk_sync_every)
+        new_epoch = epoch_iterator is not self._hk_loop_iterator
+        self._hk_loop_iterator = epoch_iterator
         try:
             batches, refs = next(self.hk_la)
         except StopIteration:
-            return [], None
-        if batches.wanted != num_batches:
-            raise RuntimeError(f"{type(self).__name__}: the lookahead drew {batches.wanted} micro-batches for this "
-                               f"step, the training loop asks for {num_batches} (an unsupported transformers loop?)")
+            batches = None
+        if batches is None or new_epoch != batches.first or (new_epoch and self._hk_loop_epoch != batches.epoch):
+            where = ("asks for a step past the end of the lookahead's planned steps" if batches is None else
+                     f"{'starts' if new_epoch else 'goes on with'} epoch {self._hk_loop_epoch} where the lookahead "
+                     f"planned {'the first' if batches.first else 'a later'} step of epoch {batches.epoch}")
+            raise RuntimeError(
+                f"{name}: the training loop left the lookahead's data plan: it {where}. "
+                "humanline_reference='lookahead' draws the data of the coming steps in advance, following "
+                "transformers' epochs to the end (max_steps); leaving an epoch early (control.should_epoch_stop, "
+                "e.g. from a callback) or another training loop is not supported. Use humanline_reference='sync'.")
+        if not len(batches) == batches.wanted == num_batches:
+            raise RuntimeError(
+                f"{name}: the lookahead drew {len(batches)} of the {batches.wanted} micro-batches it planned for this "
+                f"step, the training loop asks for {num_batches} (a data loader shorter than its length, or an "
+                "unsupported transformers loop?)")
         # The window of the coming steps is computed now, at the start of the step rather than just before its
         # optimizer.step(): the parameters are θ_t either way (nothing changes them before the update), no gradient
         # or activation is alive yet (less memory), and it also holds under DeepSpeed, whose update runs inside
         # the backward.
         self.hk_la_syncs += int(self.hk_la.wait())
+        for _ in range(batches.rng_draws):  # this step's data loader seed draws, where the stock loop makes them
+            torch.empty((), dtype=torch.int64).random_()
         batches = [dict(mb, hk_ref_logps=r) for mb, r in zip(batches, refs)]
         return batches, self._get_num_items_in_batch(batches, device)
 
@@ -385,10 +446,37 @@ class _HumanlineMixin:
         return inputs["hk_ref_logps"]
 
 
+_LOOKAHEAD_NEEDS_LENGTH = (
+    "humanline_reference='lookahead' needs a training dataset with a length (not an IterableDataset): it draws "
+    "the batches of the coming steps in advance along transformers' epochs, which a dataset without a length does "
+    "not have (transformers restarts it whenever it runs out, with partial steps that get no optimizer step). "
+    "Materialise the data (e.g. datasets.Dataset.from_generator, or a map-style dataset), or use "
+    "humanline_reference='sync'.")
+
+_END = object()  # the stream's iterator ran out
+
+
 class _StepBatches(list):
-    """One optimizer step's micro-batches (a list, as LookaheadReference takes them) and how many were asked for
-    (fewer come when the data runs out)."""
-    wanted = 0
+    """One optimizer step's micro-batches (a list, as LookaheadReference takes them), with the plan they follow:
+    how many were asked for (fewer come if the data runs out early), the epoch, whether the step is the epoch's
+    first, and the global RNG draws the data loader made for them (replayed at the step)."""
+
+    def __init__(self, *, wanted, epoch, first):
+        super().__init__()
+        self.wanted, self.epoch, self.first, self.rng_draws = wanted, epoch, first, 0
+
+
+def _int64_draws(before, after, limit=8):
+    """How many ``torch.empty((), dtype=torch.int64).random_()`` calls (the draw of a DataLoader's base seed and
+    of a RandomSampler's seed) take the global CPU RNG from state ``before`` to ``after``; None if no such run does.
+    Leaves the RNG at ``after``."""
+    torch.set_rng_state(before)
+    for n in range(1, limit + 1):
+        torch.empty((), dtype=torch.int64).random_()
+        if torch.equal(torch.get_rng_state(), after):
+            return n
+    torch.set_rng_state(after)
+    return None
 
 
 def _hf_module(module):
@@ -441,7 +529,7 @@ class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
         return kw, labels, completion_mask[:, 1:].bool()
 
     def _hk_reference_of(self, policy, inputs):
-        kw, labels, mask = self._hk_inputs(inputs)
+        kw, labels, mask = self._hk_inputs(self._prepare_inputs(inputs))  # (on the device, as training_step does)
         return self._hk_ref_forward(kw, labels, policy)[:, -mask.size(1):].float()
 
     def _compute_loss(self, model, inputs, return_outputs):
@@ -523,6 +611,7 @@ class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
     def _hk_reference_of(self, policy, batch):
         """The rows' reference log-probs and, when KTO estimates its KL baseline, the KL rows' after them on the
         same rows (``[B, T + T_KL]``: LookaheadReference keeps one tensor per micro-batch)."""
+        batch = self._prepare_inputs(batch)  # (on the device, as training_step does)
         kw, labels, mask = self._hk_inputs(batch)
         ref = self._hk_ref_forward(kw, labels, policy)[:, -mask.size(1):].float()
         if not self.calculate_KL:
