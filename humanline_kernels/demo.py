@@ -333,8 +333,9 @@ def verdict(best, objective):
                 f"{abs(diff):.3f} = {abs(diff) / se:.1f} s.e.")
     speed = on["wall_s"] / hl["wall_s"] if hl["wall_s"] > 0 else float("inf")
     pace = f"{speed:.1f}x faster than online" if speed >= 1 else f"{1 / speed:.1f}x slower than online"
-    return (f"verdict: offline+humanline {objective.upper()} reaches a rule rate of {hl['rule_rate']:.3f} +- "
-            f"{hl['se']:.3f}, {compare(hl, on, 'online')} and {pace}; {compare(hl, off, 'plain offline')}.")
+    line = (f"verdict: offline+humanline {objective.upper()} reaches a rule rate of {hl['rule_rate']:.3f} +- "
+            f"{hl['se']:.3f}, {compare(hl, on, 'online')} and {pace}; {compare(hl, off, 'plain offline')}")
+    return line.rstrip(".") + "."
 
 
 def print_table(best, info, out):
