@@ -7,11 +7,12 @@ fp64 logits and fp64 reference log-probs through an eager path (chunked :mod:`hu
 and :mod:`humanline_kernels.losses`).
 
 Kernel path of the losses: one pass over the logits gives, per token, the log-prob, the humanline clamp, the
-loss term ``val`` and its derivative ``coef = d val / d logp`` (``humanline::token_terms``). The per-sequence and
-batch reductions then run on ``[B, T]`` tensors with the functions of :mod:`humanline_kernels.losses`
-(``dpo_from_sums``, ``kto_from_sums``/``kto_baseline``, ``grpo_aggregate``), so the sequence math exists once.
-The backward multiplies the incoming ``[B, T]`` gradient by ``coef`` and recomputes the softmax from the saved
-per-row logsumexp: ``dlogits = g * coef * (onehot - softmax) / temperature``.
+loss term ``val`` and its derivative ``coef = d val / d logp`` (``humanline::token_terms``). One more launch, the
+loss's finalize kernel (``humanline::{dpo,kto,grpo}_finalize``, :mod:`humanline_kernels.ops.finalize_kernels`),
+does the ``[B, T]`` tail: per-sequence sums, the loss, the metrics and the row weights ``w = d loss / d val``
+(its eager twin goes through :mod:`humanline_kernels.losses`; tests pin both to :mod:`humanline_kernels.reference`).
+The backward is one launch (``humanline::loss_bwd``) that recomputes the softmax from the saved per-row logsumexp:
+``dlogits = grad_loss * w[b] * coef * (onehot - softmax) / temperature``.
 
 Extra keywords (not in the log-prob level): ``inplace_backward=True`` writes the logits' gradient into the logits'
 own storage (zero extra memory; the logits must be an intermediate that nothing else uses afterwards, e.g. the
@@ -62,10 +63,13 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx.cfg = (temperature, ignore_index, inplace_backward)
         ent = ent.view(labels.shape) if return_entropy else ent
         ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for the entropy
         return logp.view(labels.shape), ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):
+        if grad_logp is None:
+            return (None,) * 6
         logits, labels, lse = ctx.saved_tensors
         temperature, ignore_index, inplace = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
@@ -93,33 +97,52 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     return (logp, ent) if return_entropy else logp
 
 
-class _TokenTerms(torch.autograd.Function):
-    """``(val [B, T], aux [4, B, T])`` of ``humanline::token_terms``; backward applies ``coef``."""
+class _FusedLoss(torch.autograd.Function):
+    """``(loss, metrics [K])`` of one loss on the kernel path: the row kernel (``humanline::token_terms``), then the
+    loss's finalize kernel (``humanline::{dpo,kto,grpo}_finalize``: sums, loss, metrics and the row weights
+    ``w = d loss / d val``); the backward is one launch (``humanline::loss_bwd``: ``grad_loss * w * coef``).
+    ``t1..t5`` are the finalize's optional tensors: KTO ``desirable, kl_logps, kl_ref_logps, kl_mask, z0``, GRPO
+    ``t1`` = a tensor normalizer."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ref, kl_ref, adv, mode, clip_args, eps_lo, eps_hi, beta, temperature,
-                ignore_index, inplace):
+    def forward(ctx, logits, labels, ref, kl_ref, adv, t1, t2, t3, t4, t5, kind, terms, fin, inplace):
+        mode, clip_args, eps_lo, eps_hi, beta, temperature, ignore_index = terms
         val, coef, lse, aux = _hl.token_terms(logits, labels, ref, kl_ref, adv, mode, *clip_args, eps_lo, eps_hi,
                                               beta, temperature, ignore_index)
-        ctx.save_for_backward(logits, labels, lse, coef)
+        if kind == "dpo":
+            loss, met, w = _hl.dpo_finalize(val, aux, labels, ignore_index, *fin)
+        elif kind == "kto":
+            loss, met, w = _hl.kto_finalize(val, aux, labels, t1, t2, t3, t4, t5, ignore_index, *fin, *clip_args)
+        else:
+            loss, met, w = _hl.grpo_finalize(val, aux, labels, t1, fin[0], ignore_index, *fin[1:])
+        ctx.save_for_backward(logits, labels, lse, coef, w)
         ctx.cfg = (temperature, ignore_index, inplace)
-        ctx.mark_non_differentiable(aux)
-        return val, aux
+        ctx.mark_non_differentiable(met)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for the metrics
+        return loss, met
 
     @staticmethod
-    def backward(ctx, grad_val, _grad_aux):
-        logits, labels, lse, coef = ctx.saved_tensors
+    def backward(ctx, grad_loss, _grad_met):
+        logits, labels, lse, coef, w = ctx.saved_tensors
         temperature, ignore_index, inplace = ctx.cfg
-        d = _bwd(logits, labels, lse, grad_val * coef, temperature, ignore_index, inplace)
-        return (d,) + (None,) * 12
+        if grad_loss is None:
+            return (None,) * 14
+        if inplace:
+            _hl.loss_bwd_(logits, labels, lse, coef, w, grad_loss, temperature, ignore_index)  # bumps the version
+            d = logits
+        else:
+            d = _hl.loss_bwd(logits, labels, lse, coef, w, grad_loss, temperature, ignore_index)
+        return (d,) + (None,) * 13
 
 
 class _GrpoGradInForward(torch.autograd.Function):
-    """GRPO loss whose logits gradient is written during the forward; backward only scales it by grad_output."""
+    """GRPO loss whose logits gradient is written during the forward; backward only scales it by grad_output.
+    The row weights come first, from the labels (``grpo_finalize`` without terms); the loss and metrics after."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ref, kl_ref, adv, weight, mask, clip_args, eps_lo, eps_hi, beta, temperature,
-                ignore_index, agg, inplace):
+    def forward(ctx, logits, labels, ref, kl_ref, adv, norm_t, clip_args, eps_lo, eps_hi, beta, temperature,
+                ignore_index, fin, inplace):
+        _loss, _met, weight = _hl.grpo_finalize(None, None, labels, norm_t, fin[0], ignore_index, *fin[1:])
         args = (clip_args[0], clip_args[1], clip_args[2], eps_lo, eps_hi, beta, temperature, ignore_index)
         if inplace:
             grad = logits
@@ -127,16 +150,35 @@ class _GrpoGradInForward(torch.autograd.Function):
         else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             val, _c, _l, aux = _hl.grpo_grad_fwd(logits, labels, ref, kl_ref, adv, weight, grad, *args)
-        loss = losses.grpo_aggregate(val, mask, loss_type=agg[0], normalizer=agg[1], max_completion_length=agg[2])
+        loss, met, _w = _hl.grpo_finalize(val, aux, labels, norm_t, fin[0], ignore_index, *fin[1:])
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(aux)
-        return loss, aux
+        ctx.mark_non_differentiable(met)
+        ctx.set_materialize_grads(False)
+        return loss, met
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_aux):
+    def backward(ctx, grad_loss, _grad_met):
         (grad,) = ctx.saved_tensors
+        if grad_loss is None:
+            return (None,) * 14
         _hl.scale_rows_(grad, grad_loss.reshape(()).to(torch.float32))  # device-side no-op when grad_loss == 1
-        return (grad,) + (None,) * 14
+        return (grad,) + (None,) * 13
+
+
+def _distinct(*ts):
+    """The tensors, a repeated one as a view of itself (free): Dynamo refuses the same tensor twice in the inputs
+    of an autograd.Function (e.g. ``kl_ref_logps=ref_logps``)."""
+    seen, out = set(), []
+    for t in ts:
+        if t is not None and id(t) in seen:
+            t = t.view(t.shape)
+        seen.add(id(t))
+        out.append(t)
+    return out
+
+
+def _metrics(kind, met):
+    return dict(zip(ops.METRICS[kind], met.unbind(0)))
 
 
 def _kernels_ok(logits, *logps):
@@ -155,10 +197,6 @@ def _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate):
 def _eager_logps(logits, labels, ref_logps, temperature, ignore_index):
     logps = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, validate=False)
     return logps.to(ref_logps.dtype), labels != ignore_index
-
-
-def _unclipped_frac(aux, mask):
-    return losses._frac(aux[0].sum(), mask.sum().to(torch.float32)).detach()
 
 
 def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
@@ -187,31 +225,22 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
         logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
         return losses.grpo(logps, ref_logps, advantages, mask, clip=clip, beta=beta, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, kl_ref_logps=kl_ref_logps, **agg)
-    mask = labels != ignore_index
-    cfg = (_clip_args(clip), float(epsilon_low), float(epsilon_high), float(beta), float(temperature), ignore_index)
+    norm_t = normalizer.reshape(()) if isinstance(normalizer, torch.Tensor) else None
+    fin = (None if normalizer is None or norm_t is not None else float(normalizer), loss_type, max_completion_length)
     if grad_in_forward and torch.is_grad_enabled() and logits.requires_grad:
-        w = ops.grpo_row_weights(mask, **agg)
-        loss, aux = _GrpoGradInForward.apply(logits, labels, ref_logps, kl_ref_logps, advantages, w, mask, *cfg,
-                                             (loss_type, normalizer, max_completion_length), bool(inplace_backward))
+        loss, met = _GrpoGradInForward.apply(logits, labels, *_distinct(ref_logps, kl_ref_logps, advantages, norm_t),
+                                             _clip_args(clip), float(epsilon_low), float(epsilon_high), float(beta),
+                                             float(temperature), ignore_index, fin, bool(inplace_backward))
     else:
-        val, aux = _TokenTerms.apply(logits, labels, ref_logps, kl_ref_logps, advantages, ops.MODE_GRPO, *cfg,
-                                     bool(inplace_backward))
-        loss = losses.grpo_aggregate(val, mask, **agg)
-    den = mask.sum().to(torch.float32).clamp(min=1)
-    metrics = {
-        "unclipped_frac": _unclipped_frac(aux, mask),
-        "kl": aux[3].sum() / den,
-        "clip_frac_low": aux[1].sum() / den,
-        "clip_frac_high": aux[2].sum() / den,
-    }
-    return loss, metrics
+        terms = (ops.MODE_GRPO, _clip_args(clip), float(epsilon_low), float(epsilon_high), float(beta),
+                 float(temperature), ignore_index)
+        loss, met = _FusedLoss.apply(logits, labels, *_distinct(ref_logps, kl_ref_logps, advantages, norm_t), None,
+                                     None, None, None, "grpo", terms, fin, bool(inplace_backward))
+    return loss, _metrics("grpo", met)
 
 
-def _row_sums(logits, labels, ref_logps, clip, temperature, ignore_index, inplace):
-    """Per-row clipped log-ratio sums ``s [B]`` (differentiable) and ``aux`` from one kernel pass."""
-    val, aux = _TokenTerms.apply(logits, labels, ref_logps, None, None, ops.MODE_RATIO, _clip_args(clip), 0.2, 0.2,
-                                 0.0, float(temperature), ignore_index, bool(inplace))
-    return val.sum(dim=1), aux
+def _ratio_terms(clip, temperature, ignore_index):
+    return (ops.MODE_RATIO, _clip_args(clip), 0.2, 0.2, 0.0, float(temperature), ignore_index)
 
 
 def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, temperature=1.0,
@@ -224,10 +253,10 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
     if not _kernels_ok(logits, ref_logps):
         logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
         return losses.dpo(logps, ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
-    s, aux = _row_sums(logits, labels, ref_logps, clip, temperature, ignore_index, inplace_backward)
-    loss, metrics = losses.dpo_from_sums(s, beta=beta, label_smoothing=label_smoothing)
-    metrics["unclipped_frac"] = _unclipped_frac(aux, labels != ignore_index)
-    return loss, metrics
+    loss, met = _FusedLoss.apply(logits, labels, ref_logps, None, None, None, None, None, None, None, "dpo",
+                                 _ratio_terms(clip, temperature, ignore_index),
+                                 (float(beta), float(label_smoothing)), bool(inplace_backward))
+    return loss, _metrics("dpo", met)
 
 
 def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
@@ -239,15 +268,17 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
     V.check_kto_args(labels.shape[0], labels.device, desirable, kl_logps, kl_ref_logps, kl_mask,
                      desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    if not _kernels_ok(logits, ref_logps):
+    if not _kernels_ok(logits, ref_logps, kl_logps, kl_ref_logps):
         logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
         return losses.kto(logps, ref_logps, mask, desirable, kl_logps, kl_ref_logps, kl_mask, clip=clip, **weights)
-    s, aux = _row_sums(logits, labels, ref_logps, clip, temperature, ignore_index, inplace_backward)
-    with torch.no_grad():
-        if kl_logps is None:
-            s_kl = s.new_zeros(0)
-        else:
-            s_kl = losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(s.dtype)
-    loss, metrics = losses.kto_from_sums(s, losses.kto_baseline(s_kl), desirable, **weights)
-    metrics["unclipped_frac"] = _unclipped_frac(aux, labels != ignore_index)
-    return loss, metrics
+    z0 = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        with torch.no_grad():  # the baseline's sum and count are all-reduced across ranks first
+            s_kl = ref_logps.new_zeros(0) if kl_logps is None else \
+                losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(torch.float32)
+            z0 = losses.kto_baseline(s_kl)
+    fin = (float(beta), float(desirable_weight), float(undesirable_weight))
+    ref, *kto_tensors = _distinct(ref_logps, desirable, kl_logps, kl_ref_logps, kl_mask, z0)
+    loss, met = _FusedLoss.apply(logits, labels, ref, None, None, *kto_tensors, "kto",
+                                 _ratio_terms(clip, temperature, ignore_index), fin, bool(inplace_backward))
+    return loss, _metrics("kto", met)

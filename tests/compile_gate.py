@@ -8,9 +8,9 @@ size) with ``meta`` routed to the compiled kernels. Triton's own ``JITFunction.r
 exactly as at run time (dtypes, 16-divisibility of pointers and integers, integers equal to 1, int32 vs int64)
 and compiles it for ``GPUTarget("cuda", arch, 32)`` with the ptxas inside the triton wheel; the launch itself is
 skipped (``warmup=True``). The cases cover every constexpr combination (loss mode, clip, kl_ref, gradient in the
-forward, in place, entropy) at one aligned shape for fp32/bf16/fp16 logits, and every specialisation-changing
-shape (rows not 16-byte aligned, batch/row strides past 2^31, T = 1, odd T, tiny V, a ``[:, :-1]`` view) for the
-main configurations. Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in
+forward, in place, entropy, loss backward, finalize) at one aligned shape for fp32/bf16/fp16 logits, and every
+specialisation-changing shape (rows not 16-byte aligned, batch/row strides past 2^31, T = 1, odd T, tiny V, a
+``[:, :-1]`` view) for the main configurations. Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in
 its PTX (no local memory; 16-byte global loads in aligned variants).
 
 Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
@@ -118,6 +118,28 @@ def _cases():
         x, y, f, *_ = tensors(shape_name, dtype)
         ops.logprobs_bwd(x, y, f, f, 0.7, -100, out=x if inplace else None)
 
+    def loss_bwd(shape_name, dtype, inplace):
+        x, y, f, adv, _ = tensors(shape_name, dtype)
+        ops.loss_bwd(x, y, f, f, adv, torch.empty((), dtype=torch.float32, device="meta"), 0.7, -100,
+                     out=x if inplace else None)
+
+    def finalize(shape_name, kind, variant):
+        x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
+        y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]  # a labels view
+        aux = torch.empty((4, *f.shape), dtype=torch.float32, device="meta")
+        if kind == "dpo":
+            ops.dpo_finalize(f, aux, y, ignore_index=-100, beta=0.1, label_smoothing=0.0)
+        elif kind == "kto":
+            des = torch.empty(adv.shape, dtype=torch.bool, device="meta")
+            kl = (f[:, :3], f[:, :3], torch.empty((f.shape[0], 3), dtype=torch.bool, device="meta"))
+            ops.kto_finalize(f, aux, y, des, *(kl if variant == "kl_rows" else (None,) * 3),
+                             z0=adv[0] if variant == "z0" else None, ignore_index=-100, beta=0.1,
+                             desirable_weight=1.0, undesirable_weight=1.0, clip=clip)
+        else:
+            norm = torch.empty((), dtype=torch.float32, device="meta") if variant == "norm_tensor" else None
+            ops.grpo_finalize(None if variant == "weights" else f, aux, y, ignore_index=-100, loss_type="grpo",
+                              normalizer=norm)
+
     def scale(shape_name, dtype):
         x, *_ = tensors(shape_name, dtype)
         ops.scale_rows_(x, torch.empty((), dtype=torch.float32, device="meta"))
@@ -137,6 +159,9 @@ def _cases():
             cases.append((f"logprobs_bwd inplace={inplace} {dn} aligned", True,
                           lambda dt=dt, i=inplace: bwd("aligned", dt, i)))
         cases.append((f"scale_rows {dn} aligned", True, lambda dt=dt: scale("aligned", dt)))
+        for inplace in (False, True):
+            cases.append((f"loss_bwd inplace={inplace} {dn} aligned", True,
+                          lambda dt=dt, i=inplace: loss_bwd("aligned", dt, i)))
         # every specialisation-changing shape, main configurations
         for sn, (_shape, _sl, aligned) in SHAPES.items():
             if sn == "aligned":
@@ -151,6 +176,14 @@ def _cases():
                 (f"logprobs_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: bwd(s, dt, False)),
                 (f"scale_rows {dn} {sn}", aligned, lambda dt=dt, s=sn: scale(s, dt)),
             ]
+            if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
+                cases.append((f"loss_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: loss_bwd(s, dt, False)))
+    # the [B, T] tail: one program over small fp32 tensors, not a row-streaming kernel, so no 16-byte load rule
+    # (B and T are not specialised: the shapes below only change the pointers' and strides' specialisation)
+    for sn in ("aligned", "T=1", "odd T, tiny V"):
+        for kind, variant in (("dpo", ""), ("kto", ""), ("kto", "kl_rows"), ("kto", "z0"), ("grpo", ""),
+                              ("grpo", "weights"), ("grpo", "norm_tensor")):
+            cases.append((f"finalize {kind} {variant} {sn}", False, lambda s=sn, k=kind, v=variant: finalize(s, k, v)))
     return cases
 
 

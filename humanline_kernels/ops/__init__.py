@@ -16,6 +16,13 @@ import torch
 from . import eager
 
 MODE_RATIO, MODE_GRPO = 1, 2  # token_terms_fwd modes: clipped log-ratio (DPO/KTO), GRPO term
+# the metrics that the finalize ops return, in the order of their ``metrics`` tensor
+METRICS = {
+    "dpo": ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "unclipped_frac"),
+    "kto": ("kl", "rewards_desirable", "rewards_undesirable", "unclipped_frac"),
+    "grpo": ("unclipped_frac", "kl", "clip_frac_low", "clip_frac_high"),
+}
+GRPO_LOSS_TYPES = {"dapo": 0, "bnpo": 0, "grpo": 1, "dr_grpo": 2}
 
 
 _JIT = None  # the ops._jit module once triton imported, False when it cannot
@@ -90,6 +97,58 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
         return logprobs.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)
     _eager("logprobs_bwd")
     return eager.logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=out)
+
+
+def loss_bwd(logits, labels, lse, coef, row_weight, grad_loss, temperature, ignore_index, out=None):
+    """Backward of a fused loss: ``dlogits = grad_loss * row_weight[b] * coef[b, t] * (onehot - softmax) / T``
+    (one launch; ``grad_loss`` 0-d, read on the device); into ``out`` (may be ``logits``)."""
+    if _triton_ok(logits):
+        from . import logprobs
+        return logprobs.logprobs_bwd(logits, labels, lse, coef, temperature, ignore_index, out=out,
+                                     row_weight=row_weight, grad_loss=grad_loss)
+    _eager("loss_bwd")
+    g = coef * row_weight.to(coef.dtype).unsqueeze(1) * grad_loss.to(coef.dtype)
+    return eager.logprobs_bwd(logits, labels, lse, g, temperature, ignore_index, out=out)
+
+
+def _finalize(name, val, *args, **kw):
+    """``(loss 0-d, metrics [K] in METRICS order, w [B])`` by the finalize kernel, or eagerly through
+    :mod:`humanline_kernels.losses` (the same math, which tests pin to the reference)."""
+    if use_triton(val) and val.dtype == torch.float32:
+        from . import finalize_kernels
+        return getattr(finalize_kernels, name)(val, *args, **kw)
+    from . import terms_eager
+    _eager(name)
+    return getattr(terms_eager, name)(val, *args, **kw)
+
+
+def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing):
+    """DPO from the token terms ``val [2P, T]`` / ``aux [4, 2P, T]`` of :func:`token_terms_fwd`: ``(loss,
+    metrics, w)`` with ``d loss / d val[b, t] = w[b]`` on masked tokens. See :mod:`.finalize_kernels`."""
+    return _finalize("dpo_finalize", val, aux, labels, ignore_index=ignore_index, beta=beta,
+                     label_smoothing=label_smoothing)
+
+
+def kto_finalize(val, aux, labels, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, z0=None, *,
+                 ignore_index, beta, desirable_weight, undesirable_weight, clip):
+    """KTO from the token terms; the baseline from the KL rows ``kl_*`` (clipped with ``clip``) or ``z0``."""
+    return _finalize("kto_finalize", val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z0,
+                     ignore_index=ignore_index, beta=beta, desirable_weight=desirable_weight,
+                     undesirable_weight=undesirable_weight, clip=clip)
+
+
+def grpo_finalize(val, aux, labels, *, ignore_index, loss_type, normalizer=None, max_completion_length=None):
+    """GRPO aggregation of the token terms; ``val=None``: only ``w`` (= :func:`grpo_row_weights`), loss and
+    metrics 0."""
+    t = labels if val is None else val
+    if use_triton(t) and t.dtype in (torch.float32, torch.int64):
+        from . import finalize_kernels
+        return finalize_kernels.grpo_finalize(val, aux, labels, ignore_index=ignore_index, loss_type=loss_type,
+                                              normalizer=normalizer, max_completion_length=max_completion_length)
+    from . import terms_eager
+    _eager("grpo_finalize")
+    return terms_eager.grpo_finalize(val, aux, labels, ignore_index=ignore_index, loss_type=loss_type,
+                                     normalizer=normalizer, max_completion_length=max_completion_length)
 
 
 def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignore_index, kl_ref_logps=None,

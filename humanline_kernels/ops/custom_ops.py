@@ -14,7 +14,8 @@ from torch import Tensor
 from torch.library import custom_op
 
 from .._clip import HumanlineClip
-from . import eager, logprobs_bwd, logprobs_fwd, scale_rows_, token_terms_fwd
+from . import (METRICS, dpo_finalize, eager, grpo_finalize, kto_finalize, logprobs_bwd, logprobs_fwd, loss_bwd,
+               scale_rows_, token_terms_fwd)
 
 
 # ---------------------------------------------------------------- log-probs
@@ -115,5 +116,70 @@ def _(logits, labels, *args):
     return _terms_fake(logits, labels)
 
 
+# ---------------------------------------------------------------- the [B, T] tail of the losses and their backward
+@custom_op("humanline::loss_bwd", mutates_args=())
+def loss_bwd_op(logits: Tensor, labels: Tensor, lse: Tensor, coef: Tensor, row_weight: Tensor, grad_loss: Tensor,
+                temperature: float, ignore_index: int) -> Tensor:
+    return loss_bwd(logits, labels, lse, coef, row_weight, grad_loss, temperature, ignore_index)
+
+
+@loss_bwd_op.register_fake
+def _(logits, *args):
+    return logits.new_empty(logits.shape)
+
+
+@custom_op("humanline::loss_bwd_", mutates_args=("logits",))
+def loss_bwd_inplace_op(logits: Tensor, labels: Tensor, lse: Tensor, coef: Tensor, row_weight: Tensor,
+                        grad_loss: Tensor, temperature: float, ignore_index: int) -> None:
+    loss_bwd(logits, labels, lse, coef, row_weight, grad_loss, temperature, ignore_index, out=logits)
+
+
+def _finalize_fake(name, val, labels):
+    dt = torch.float64 if val is not None and val.dtype == torch.float64 else torch.float32
+    return (labels.new_empty((), dtype=dt), labels.new_empty((len(METRICS[name]),), dtype=dt),
+            labels.new_empty((labels.shape[0],), dtype=dt))
+
+
+@custom_op("humanline::dpo_finalize", mutates_args=())
+def dpo_finalize_op(val: Tensor, aux: Tensor, labels: Tensor, ignore_index: int, beta: float,
+                    label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+    return dpo_finalize(val, aux, labels, ignore_index=ignore_index, beta=beta, label_smoothing=label_smoothing)
+
+
+@dpo_finalize_op.register_fake
+def _(val, aux, labels, *args):
+    return _finalize_fake("dpo", val, labels)
+
+
+@custom_op("humanline::kto_finalize", mutates_args=())
+def kto_finalize_op(val: Tensor, aux: Tensor, labels: Tensor, desirable: Tensor, kl_logps: Optional[Tensor],
+                    kl_ref_logps: Optional[Tensor], kl_mask: Optional[Tensor], z0: Optional[Tensor],
+                    ignore_index: int, beta: float, desirable_weight: float, undesirable_weight: float, clip: bool,
+                    clip_lo: float, clip_hi: float) -> tuple[Tensor, Tensor, Tensor]:
+    return kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z0, ignore_index=ignore_index,
+                        beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+                        clip=HumanlineClip(clip_lo, clip_hi) if clip else None)
+
+
+@kto_finalize_op.register_fake
+def _(val, aux, labels, *args):
+    return _finalize_fake("kto", val, labels)
+
+
+@custom_op("humanline::grpo_finalize", mutates_args=())
+def grpo_finalize_op(val: Optional[Tensor], aux: Optional[Tensor], labels: Tensor, normalizer: Optional[Tensor],
+                     normalizer_value: Optional[float], ignore_index: int, loss_type: str,
+                     max_completion_length: Optional[int]) -> tuple[Tensor, Tensor, Tensor]:
+    return grpo_finalize(val, aux, labels, ignore_index=ignore_index, loss_type=loss_type,
+                         normalizer=normalizer if normalizer is not None else normalizer_value,
+                         max_completion_length=max_completion_length)
+
+
+@grpo_finalize_op.register_fake
+def _(val, aux, labels, *args):
+    return _finalize_fake("grpo", val, labels)
+
+
 __all__ = ["logprobs_fwd_op", "logprobs_bwd_op", "logprobs_bwd_inplace_op",
-           "scale_rows_op", "token_terms_op", "grpo_grad_fwd_op", "grpo_grad_fwd_inplace_op"]
+           "scale_rows_op", "token_terms_op", "grpo_grad_fwd_op", "grpo_grad_fwd_inplace_op",
+           "loss_bwd_op", "loss_bwd_inplace_op", "dpo_finalize_op", "kto_finalize_op", "grpo_finalize_op"]

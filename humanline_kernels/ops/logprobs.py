@@ -113,15 +113,20 @@ def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr
 
 
 @jit
-def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, o_ptr, o_sb, o_st, T, V, inv_t,
-                         ignore_index, BLOCK_V: tl.constexpr):
+def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, go_ptr, o_ptr, o_sb, o_st, T,
+                         V, inv_t, ignore_index, BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr):
+    """``g = g[r]``, or with ``ROW_WEIGHT`` (the fused losses) ``g = go * w[b] * g[r]``: ``g[r]`` the token's
+    ``coef``, ``w[b]`` its row's ``d loss / d val`` and ``go`` the loss's upstream gradient, all read on the device
+    (the loss backward is this one launch)."""
     r = tl.program_id(0)
     base = _row_base(x_ptr, r, T, x_sb, x_st)
     out_base = _row_base(o_ptr, r, T, o_sb, o_st)
     y = tl.load(_row_base(y_ptr, r, T, y_sb, y_st))
     if y != ignore_index:
-        _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + r), tl.load(g_ptr + r).to(tl.float32), inv_t,
-                        BLOCK_V)
+        g = tl.load(g_ptr + r).to(tl.float32)
+        if ROW_WEIGHT:
+            g = g * tl.load(w_ptr + r // T) * tl.load(go_ptr).to(tl.float32)
+        _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + r), g, inv_t, BLOCK_V)
     else:
         _row_zero(out_base, V, BLOCK_V)
 
@@ -156,8 +161,11 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
     return logp, lse, ent
 
 
-def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None):
-    """Triton version of :func:`humanline_kernels.ops.eager.logprobs_bwd`; ``out`` may be ``logits`` itself."""
+def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
+                 grad_loss=None):
+    """Triton version of :func:`humanline_kernels.ops.eager.logprobs_bwd`; ``out`` may be ``logits`` itself.
+    With ``row_weight [B]`` and ``grad_loss`` (0-d) the per-token gradient is ``grad_loss * row_weight[b] *
+    grad_logp[b, t]``."""
     B, T, V = logits.shape
     if out is None:
         out = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
@@ -165,11 +173,14 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
         return out
     block, warps = block_config(logits)
     g = grad_logp.reshape(B, T).contiguous()
+    weighted = row_weight is not None
+    w = row_weight.contiguous() if weighted else g
+    go = grad_loss.reshape(1) if weighted else g
     with device_guard(logits):
         launcher(_logprobs_bwd_kernel, logits)[(B * T,)](
             logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1),
-            lse.contiguous(), g, out, out.stride(0), out.stride(1), T, V, 1.0 / temperature, ignore_index,
-            BLOCK_V=block, num_warps=warps)
+            lse.contiguous(), g, w, go, out, out.stride(0), out.stride(1), T, V, 1.0 / temperature, ignore_index,
+            BLOCK_V=block, ROW_WEIGHT=weighted, num_warps=warps)
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from . import eager
+from . import METRICS, eager
 
 MODE_RATIO, MODE_GRPO = 1, 2
 
@@ -46,3 +46,57 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
         eager.logprobs_bwd(logits, labels, lse, coef * row_weight.to(coef.dtype).unsqueeze(1), temperature,
                            ignore_index, out=grad_out)
     return val.detach(), coef, lse, aux
+
+
+# ---------------------------------------------------------------- the [B, T] tail (eager twins of finalize_kernels)
+def _w(loss_fn, x):
+    """``(loss, metrics, d loss / d x)`` of ``loss_fn(x) -> (loss, metrics)`` for a small tensor ``x``."""
+    with torch.enable_grad():
+        x = x.detach().requires_grad_()
+        loss, metrics = loss_fn(x)
+        (w,) = torch.autograd.grad(loss, x)
+    return loss.detach(), metrics, w
+
+
+def _pack(name, metrics, unclipped):
+    metrics = dict(metrics, unclipped_frac=unclipped)
+    return torch.stack([metrics[k].detach().reshape(()).to(unclipped.dtype) for k in METRICS[name]])
+
+
+def _unclipped(aux, mask, dtype):
+    return losses._frac(aux[0].to(dtype).sum(), mask.sum().to(dtype))
+
+
+def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing):
+    mask = labels != ignore_index
+    loss, m, w = _w(lambda s: losses.dpo_from_sums(s, beta=beta, label_smoothing=label_smoothing), val.sum(1))
+    return loss, _pack("dpo", m, _unclipped(aux, mask, val.dtype)), w
+
+
+def kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z0, *, ignore_index, beta,
+                 desirable_weight, undesirable_weight, clip):
+    mask = labels != ignore_index
+    if z0 is None:
+        if kl_logps is None:
+            s_kl = val.new_zeros(0)
+        else:
+            s_kl = losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(val.dtype)
+        z0 = losses.kto_baseline(s_kl)
+    weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    loss, m, w = _w(lambda s: losses.kto_from_sums(s, z0.to(val.dtype).reshape(()), desirable, **weights),
+                    val.sum(1))
+    return loss, _pack("kto", m, _unclipped(aux, mask, val.dtype)), w
+
+
+def grpo_finalize(val, aux, labels, *, ignore_index, loss_type, normalizer=None, max_completion_length=None):
+    from . import grpo_row_weights
+    mask = labels != ignore_index
+    w = grpo_row_weights(mask, loss_type=loss_type, normalizer=normalizer,
+                         max_completion_length=max_completion_length)
+    if val is None:
+        return w.new_zeros(()), w.new_zeros(len(METRICS["grpo"])), w
+    loss = losses.grpo_aggregate(val, mask, loss_type=loss_type, normalizer=normalizer,
+                                 max_completion_length=max_completion_length)
+    den = mask.sum().to(val.dtype).clamp(min=1)
+    m = {"kl": aux[3].sum() / den, "clip_frac_low": aux[1].sum() / den, "clip_frac_high": aux[2].sum() / den}
+    return loss.to(val.dtype), _pack("grpo", m, _unclipped(aux, mask, val.dtype)), w.to(val.dtype)

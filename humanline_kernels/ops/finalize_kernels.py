@@ -1,0 +1,322 @@
+r"""Triton kernels for the ``[B, T]`` tail of the fused losses: one launch per loss after the row kernel.
+
+The row kernel (:mod:`.losses_kernels`) leaves per token ``val`` (masked clipped log-ratio for DPO/KTO, masked
+GRPO term for GRPO), ``coef = d val / d logp`` and ``aux [4, B, T]`` = (inside the band, GRPO low clip, high clip,
+k3). A finalize kernel is one program that walks ``[B, T]`` in ``[BLOCK_B, BLOCK_T]`` tiles (fp32 sums, int64
+offsets; ``m = [label != ignore_index]``) and writes
+
+* ``loss`` (0-d), ``metrics [K]`` (the API's metric values, in the order of :data:`METRICS`), and
+* ``w [B]`` with ``d loss / d val[b, t] = w[b]`` for every masked token: the backward is then one launch,
+  ``dlogits = grad_loss * w[b] * coef[b, t] * (onehot(y) - softmax(z / T)) / T`` (``logprobs._logprobs_bwd_kernel``
+  with ``ROW_WEIGHT``).
+
+The math is :mod:`humanline_kernels.reference`'s (tests compare each kernel, and the eager fallback of
+:mod:`.terms_eager`, against it). A single program keeps every reduction in a fixed order (deterministic, no
+atomics) and costs a few microseconds at ``B * T = 8192``; the launch it saves costs more. Sequence length and
+hyperparameters are runtime arguments (``B``/``T`` not even specialised), so one compiled variant serves all.
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._jit import COMPILED_DEVICES, jit, launcher
+from . import GRPO_LOSS_TYPES, METRICS
+from .logprobs import device_guard
+
+def tiles(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(BLOCK_B, BLOCK_T, num_warps)``: 1024-element tiles on GPU (4 elements a thread: 2048 spilled); 2 x 4 in
+    the interpreter, so that the small test shapes cross tile boundaries in both dimensions."""
+    if t.device.type in COMPILED_DEVICES:
+        return 8, 128, 8
+    return 2, 4, 1
+
+
+@jit
+def _tile(rows, T, t0, BLOCK_T: tl.constexpr):
+    """Flat int64 offsets of a ``[rows, t0:t0+BLOCK_T]`` tile of a contiguous ``[B, T]`` tensor, and its t index."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    return rows.to(tl.int64)[:, None] * T + t[None, :], t
+
+
+@jit
+def _valid(y_ptr, y_sb, y_st, rows, t, inb, ignore_index):
+    """``m`` of a tile: label != ignore_index inside the bounds ``inb`` (labels may be a strided view)."""
+    off = rows.to(tl.int64)[:, None] * y_sb + t.to(tl.int64)[None, :] * y_st
+    return inb & (tl.load(y_ptr + off, mask=inb, other=0) != ignore_index)
+
+
+@jit
+def _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, rows, rmask, T, ignore_index, BLOCK_B: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    """Per-row ``(sum m*val, sum m*inside, sum m)`` of the rows ``rows`` (fp32 vectors)."""
+    s = tl.zeros([BLOCK_B], dtype=tl.float32)
+    n_in = tl.zeros([BLOCK_B], dtype=tl.float32)
+    n = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        off, t = _tile(rows, T, t0, BLOCK_T)
+        inb = rmask[:, None] & (t < T)[None, :]
+        m = _valid(y_ptr, y_sb, y_st, rows, t, inb, ignore_index)
+        s += tl.sum(tl.where(m, tl.load(val_ptr + off, mask=m, other=0.0), 0.0), 1)
+        n_in += tl.sum(tl.where(m, tl.load(aux_ptr + off, mask=m, other=0.0), 0.0), 1)
+        n += tl.sum(m.to(tl.float32), 1)
+    return s, n_in, n
+
+
+@jit
+def _logsigmoid(x):
+    # min(x, 0) - log(1 + exp(-|x|)): no overflow for either sign; NaN stays NaN
+    return tl.where(x < 0, x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@jit
+def _frac(num, den):
+    """``num / den``, 1.0 when there are no tokens (nothing was clipped)."""
+    return tl.where(den > 0, num / tl.maximum(den, 1.0), 1.0)
+
+
+@jit(do_not_specialize=["P", "T"])
+def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, ignore_index, beta,
+                         label_smoothing, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    """DPO over pairs ``(j, P + j)``: ``s = sum_t m val``, ``h_j = beta (s_j - s_{P+j})``,
+    ``loss = mean_j[-(1 - ls) logsig(h_j) - ls logsig(-h_j)]``;
+    ``w_j = -w_{P+j} = beta / P * (-(1 - ls) sig(-h_j) + ls sig(h_j))``; metrics: means of ``rc = beta s_j``,
+    ``rr = beta s_{P+j}``, ``rc - rr``, ``[rc > rr]``, and ``unclipped_frac = sum m inside / sum m``."""
+    acc_loss = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_rc = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_rr = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_margin = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_win = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_in = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for j0 in range(0, P, BLOCK_B):
+        j = j0 + tl.arange(0, BLOCK_B)
+        jm = j < P
+        s_c, in_c, n_c = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j, jm, T, ignore_index, BLOCK_B, BLOCK_T)
+        s_r, in_r, n_r = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j + P, jm, T, ignore_index, BLOCK_B, BLOCK_T)
+        h = beta * (s_c - s_r)
+        ls_pos = _logsigmoid(h)
+        ls_neg = _logsigmoid(-h)
+        acc_loss += tl.where(jm, -(1.0 - label_smoothing) * ls_pos - label_smoothing * ls_neg, 0.0)
+        w = beta / P * (-(1.0 - label_smoothing) * tl.exp(ls_neg) + label_smoothing * tl.exp(ls_pos))
+        tl.store(w_ptr + j, w, mask=jm)
+        tl.store(w_ptr + P + j, -w, mask=jm)
+        rc = beta * s_c
+        rr = beta * s_r
+        acc_rc += rc
+        acc_rr += rr
+        acc_margin += rc - rr
+        acc_win += tl.where(jm & (rc > rr), 1.0, 0.0)
+        acc_in += in_c + in_r
+        acc_n += n_c + n_r
+    tl.store(loss_ptr, tl.sum(acc_loss, 0) / P)
+    tl.store(met_ptr, tl.sum(acc_rc, 0) / P)
+    tl.store(met_ptr + 1, tl.sum(acc_rr, 0) / P)
+    tl.store(met_ptr + 2, tl.sum(acc_margin, 0) / P)
+    tl.store(met_ptr + 3, tl.sum(acc_win, 0) / P)
+    tl.store(met_ptr + 4, _frac(tl.sum(acc_in, 0), tl.sum(acc_n, 0)))
+
+
+@jit(do_not_specialize=["B", "T", "BK", "TK"])
+def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, klref_ptr, klm_ptr, z0_ptr,
+                         loss_ptr, met_ptr, w_ptr, B, T, BK, TK, ignore_index, beta, lam_d, lam_u, clip_on, clip_lo,
+                         clip_hi, z0_given, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    """KTO: KL rows (contiguous ``[BK, TK]``) ``s_kl = sum_t m_kl clamp(kl - kl_ref)``;
+    ``z0 = max(0, sum s_kl / #{s_kl != 0})`` (0 without such rows; read from ``z0_ptr`` when ``z0_given``, e.g.
+    all-reduced across ranks). Rows: ``s = sum_t m val``, ``x = beta (s - z0)``; desirable
+    ``lam_d (1 - sig(x))``, undesirable ``lam_u (1 - sig(-x))``; ``loss = mean_i``;
+    ``w_i = beta sig(x) sig(-x) (-lam_d or lam_u) / B``. Metrics: ``z0``, mean of ``beta s`` over desirable and
+    over undesirable rows (0 when none), ``unclipped_frac``."""
+    acc_tot = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_cnt = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for k0 in range(0, BK, BLOCK_B):
+        k = k0 + tl.arange(0, BLOCK_B)
+        km = k < BK
+        s_kl = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for t0 in range(0, TK, BLOCK_T):
+            off, t = _tile(k, TK, t0, BLOCK_T)
+            inb = km[:, None] & (t < TK)[None, :]
+            m = inb & (tl.load(klm_ptr + off, mask=inb, other=0) != 0)
+            d = tl.load(kl_ptr + off, mask=m, other=0.0) - tl.load(klref_ptr + off, mask=m, other=0.0)
+            if clip_on != 0:
+                d = tl.minimum(tl.maximum(d, clip_lo, propagate_nan=tl.PropagateNan.ALL), clip_hi,
+                               propagate_nan=tl.PropagateNan.ALL)
+            s_kl += tl.sum(tl.where(m, d, 0.0), 1)
+        acc_tot += s_kl
+        acc_cnt += tl.where(s_kl != 0.0, 1.0, 0.0)
+    tot = tl.sum(acc_tot, 0)
+    cnt = tl.sum(acc_cnt, 0)
+    z0 = tl.maximum(tl.where(cnt > 0, tot / tl.maximum(cnt, 1.0), 0.0), 0.0, propagate_nan=tl.PropagateNan.ALL)
+    if z0_given != 0:
+        z0 = tl.load(z0_ptr).to(tl.float32)
+    acc_loss = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_rd = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_ru = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_nd = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_nu = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_in = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        bm = b < B
+        s, n_in, n = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, b, bm, T, ignore_index, BLOCK_B, BLOCK_T)
+        d_raw = tl.load(des_ptr + b, mask=bm, other=0)
+        des = bm & (d_raw != 0)
+        und = bm & (d_raw == 0)
+        x = beta * (s - z0)
+        sig_p = 1.0 / (1.0 + tl.exp(-x))
+        sig_n = 1.0 / (1.0 + tl.exp(x))
+        acc_loss += tl.where(des, lam_d * (1.0 - sig_p), tl.where(und, lam_u * (1.0 - sig_n), 0.0))
+        tl.store(w_ptr + b, beta * sig_p * sig_n * tl.where(des, -lam_d, lam_u) / B, mask=bm)
+        r = beta * s
+        acc_rd += tl.where(des, r, 0.0)
+        acc_ru += tl.where(und, r, 0.0)
+        acc_nd += des.to(tl.float32)
+        acc_nu += und.to(tl.float32)
+        acc_in += n_in
+        acc_n += n
+    tl.store(loss_ptr, tl.sum(acc_loss, 0) / B)
+    tl.store(met_ptr, z0)
+    tl.store(met_ptr + 1, tl.sum(acc_rd, 0) / tl.maximum(tl.sum(acc_nd, 0), 1.0))
+    tl.store(met_ptr + 2, tl.sum(acc_ru, 0) / tl.maximum(tl.sum(acc_nu, 0), 1.0))
+    tl.store(met_ptr + 3, _frac(tl.sum(acc_in, 0), tl.sum(acc_n, 0)))
+
+
+@jit(do_not_specialize=["B", "T", "N"])
+def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N,
+                          ignore_index, loss_type, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr,
+                          BLOCK_T: tl.constexpr, TERMS: tl.constexpr):
+    """GRPO aggregation of ``val = m L`` (``n = sum m``, ``n_b = sum_t m``, ``E = #{b : n_b > 0}``):
+    ``loss_type`` 0 (dapo/bnpo) ``sum val / den`` with ``den = max(n, 1)``, ``norm_value`` (``norm_kind`` 1) or
+    ``*norm_ptr`` (2); 1 (grpo) ``sum_b (sum_t val / max(n_b, 1)) / max(E, 1)``; 2 (dr_grpo)
+    ``sum val * dr_scale`` (``1 / (B * max_completion_length)``). ``w_b``: ``1 / den``,
+    ``1 / (max(n_b, 1) max(E, 1))``, ``dr_scale``. Metrics over ``max(n, 1)``: ``unclipped_frac``, ``kl`` (sum k3),
+    ``clip_frac_low``/``high``. Without ``TERMS`` only ``w`` is written (from the labels: the gradient-in-forward
+    path needs it before the row kernel runs; loss and metrics are 0 then)."""
+    acc_sum = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_mean = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_rows = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_in = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_low = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_high = tl.zeros([BLOCK_B], dtype=tl.float32)
+    acc_k3 = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        bm = b < B
+        s = tl.zeros([BLOCK_B], dtype=tl.float32)
+        n = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            off, t = _tile(b, T, t0, BLOCK_T)
+            inb = bm[:, None] & (t < T)[None, :]
+            m = _valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index)
+            n += tl.sum(m.to(tl.float32), 1)
+            if TERMS:
+                s += tl.sum(tl.where(m, tl.load(val_ptr + off, mask=m, other=0.0), 0.0), 1)
+                acc_in += tl.sum(tl.where(m, tl.load(aux_ptr + off, mask=m, other=0.0), 0.0), 1)
+                acc_low += tl.sum(tl.where(m, tl.load(aux_ptr + N + off, mask=m, other=0.0), 0.0), 1)
+                acc_high += tl.sum(tl.where(m, tl.load(aux_ptr + 2 * N + off, mask=m, other=0.0), 0.0), 1)
+                acc_k3 += tl.sum(tl.where(m, tl.load(aux_ptr + 3 * N + off, mask=m, other=0.0), 0.0), 1)
+        acc_sum += s
+        acc_mean += s / tl.maximum(n, 1.0)
+        acc_rows += tl.where(n > 0, 1.0, 0.0)
+        acc_n += n
+    n_tok = tl.sum(acc_n, 0)
+    rows = tl.maximum(tl.sum(acc_rows, 0), 1.0)
+    den = tl.maximum(n_tok, 1.0)
+    if norm_kind == 1:
+        den = norm_value
+    if norm_kind == 2:
+        den = tl.load(norm_ptr).to(tl.float32)
+    if TERMS:
+        total = tl.sum(acc_sum, 0)
+        loss = total * dr_scale
+        if loss_type == 0:
+            loss = total / den
+        if loss_type == 1:
+            loss = tl.sum(acc_mean, 0) / rows
+        tl.store(loss_ptr, loss)
+        n1 = tl.maximum(n_tok, 1.0)
+        tl.store(met_ptr, _frac(tl.sum(acc_in, 0), n_tok))
+        tl.store(met_ptr + 1, tl.sum(acc_k3, 0) / n1)
+        tl.store(met_ptr + 2, tl.sum(acc_low, 0) / n1)
+        tl.store(met_ptr + 3, tl.sum(acc_high, 0) / n1)
+    else:  # defined outputs (zeros) rather than uninitialised memory
+        tl.store(loss_ptr, 0.0)
+        for i in range(4):
+            tl.store(met_ptr + i, 0.0)
+    # second sweep (labels only): the "grpo" weight needs E, known only now
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        bm = b < B
+        n = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            inb = bm[:, None] & (t < T)[None, :]
+            n += tl.sum(_valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index).to(tl.float32), 1)
+        w = tl.zeros([BLOCK_B], dtype=tl.float32) + dr_scale
+        if loss_type == 0:
+            w = tl.zeros([BLOCK_B], dtype=tl.float32) + 1.0 / den
+        if loss_type == 1:
+            w = 1.0 / (tl.maximum(n, 1.0) * rows)
+        tl.store(w_ptr + b, w, mask=bm)
+
+
+def _outputs(ref, B, K):
+    f32 = dict(dtype=torch.float32, device=ref.device)
+    return torch.empty((), **f32), torch.empty((K,), **f32), torch.empty((B,), **f32)
+
+
+def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing):
+    """``(loss, metrics [5], w [2P])`` of DPO from the row kernel's ``val``/``aux`` (see the kernel)."""
+    B, T = labels.shape
+    loss, met, w = _outputs(val, B, len(METRICS["dpo"]))
+    bb, bt, warps = tiles(val)
+    with device_guard(val):
+        launcher(_dpo_finalize_kernel, val)[(1,)](
+            val, aux, labels, labels.stride(0), labels.stride(1), loss, met, w, B // 2, T, ignore_index,
+            float(beta), float(label_smoothing), BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)
+    return loss, met, w
+
+
+def kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z0, *, ignore_index, beta,
+                 desirable_weight, undesirable_weight, clip):
+    """``(loss, metrics [4], w [B])`` of KTO; the KL rows are ``kl_*`` (or None), or ``z0`` is given."""
+    B, T = labels.shape
+    loss, met, w = _outputs(val, B, len(METRICS["kto"]))
+    has_kl = kl_logps is not None and z0 is None
+    kl = kl_logps.contiguous() if has_kl else val
+    klr = kl_ref_logps.contiguous() if has_kl else val
+    klm = kl_mask.contiguous() if has_kl else desirable  # a bool dummy: no variant of its own
+    BK, TK = kl.shape if has_kl else (0, 0)
+    bb, bt, warps = tiles(val)
+    with device_guard(val):
+        launcher(_kto_finalize_kernel, val)[(1,)](
+            val, aux, labels, labels.stride(0), labels.stride(1), desirable, kl, klr, klm,
+            val if z0 is None else z0.reshape(1), loss, met, w, B, T, BK, TK, ignore_index, float(beta),
+            float(desirable_weight), float(undesirable_weight), int(clip is not None),
+            float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0, int(z0 is not None),
+            BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)
+    return loss, met, w
+
+
+def grpo_finalize(val, aux, labels, *, ignore_index, loss_type, normalizer=None, max_completion_length=None):
+    """``(loss, metrics [4], w [B])`` of GRPO; with ``val=None`` only ``w`` (from the labels), loss and metrics 0."""
+    B, T = labels.shape
+    loss, met, w = _outputs(labels, B, len(METRICS["grpo"]))
+    if isinstance(normalizer, torch.Tensor):
+        kind, value, norm = 2, 0.0, normalizer.reshape(1).to(torch.float32)
+    elif normalizer is not None:
+        kind, value, norm = 1, float(normalizer), w
+    else:
+        kind, value, norm = 0, 0.0, w
+    length = T if max_completion_length is None else max_completion_length
+    dr_scale = 1.0 / (B * length) if B * length else 0.0
+    terms = val is not None
+    bb, bt, warps = tiles(labels)
+    with device_guard(labels):
+        launcher(_grpo_finalize_kernel, labels)[(1,)](
+            val if terms else w, aux if terms else w, labels, labels.stride(0), labels.stride(1), norm, loss, met, w,
+            B, T, B * T, ignore_index, GRPO_LOSS_TYPES[loss_type], kind, value, dr_scale, BLOCK_B=bb, BLOCK_T=bt,
+            TERMS=terms, num_warps=warps)
+    return loss, met, w
