@@ -39,13 +39,14 @@ def _calls(N, V, D, device, dtype):
     def grad(loss, wrt):
         return torch.autograd.grad(loss, wrt)
 
+    kl_rows = (ref[:2], ref[:2] - 0.1, y[:2] != -100)  # made once: not part of the call being measured
     calls = {
         "token_logprobs": lambda: grad(hk.token_logprobs(x, y, **kw).sum(), x),
         "fused.grpo": lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, **kw)[0], x),
         "fused.grpo(grad_in_fwd)": lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, grad_in_forward=True,
                                                               **kw)[0], x),
         "fused.dpo": lambda: grad(hk.fused.dpo(x, y, ref, **kw)[0], x),
-        "fused.kto": lambda: grad(hk.fused.kto(x, y, ref, des, ref[:2], ref[:2] - 0.1, y[:2] != -100, **kw)[0], x),
+        "fused.kto": lambda: grad(hk.fused.kto(x, y, ref, des, *kl_rows, **kw)[0], x),
         "fused.grpo(validate=True)": lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04)[0], x),
         "fused_linear.grpo": lambda: grad(hk.fused_linear.grpo(h, w, y, ref, adv, **kw)[0], (h, w)),
         "fused_linear.dpo": lambda: grad(hk.fused_linear.dpo(h, w, y, ref, **kw)[0], (h, w)),
@@ -53,7 +54,7 @@ def _calls(N, V, D, device, dtype):
     }
     from humanline_kernels.ops import linear_chunks as LC
     rows = LC.max_rows_for(V, h.dtype, hk.fused_linear.CHUNK_BYTES)  # the chunks the calls above will cut
-    chunks = {"fused_linear.grpo": len(LC.token_chunks(N, rows)), "fused_linear.dpo": len(LC.pair_chunks(B, T, rows)),
+    chunks = {"fused_linear.grpo": len(LC.grpo_chunks(B, T, rows)), "fused_linear.dpo": len(LC.pair_chunks(B, T, rows)),
               "fused_linear.kto": len(LC.row_chunks(B, T, rows))}
     return calls, chunks
 

@@ -10,11 +10,13 @@ coefficients need -- single tokens for GRPO, whole rows for KTO (its KL rows ent
 ``z0``, computed from the given ``kl_logps`` before the chunks run), whole chosen/rejected pairs (rows ``j`` and
 ``P + j``) for DPO -- so ``g = dL/dlogp`` is known inside the chunk: it comes from autograd on the small
 ``[rows, T]`` log-prob tensors through the factored math of :mod:`humanline_kernels.losses`, with chunk means
-rescaled to whole-batch means. The logits gradient is then written in place into the buffer and ``dh`` and the
-fp32 ``dW`` / ``db`` are formed during the forward pass; the backward only multiplies them by ``grad_output``
-(device-side, no host sync). Flops: 6 N D V (no recomputed GEMM). The loss value and metrics are those of
-``hk.losses.*`` on the full batch. :func:`token_logprobs` (per-token ``grad_output`` is unknown in the forward)
-saves the fp32 log-sum-exp and recomputes the GEMM in its backward (8 N D V flops).
+rescaled to whole-batch means (GRPO on the kernel path: the token-terms kernel of the logits path does this and
+the next step in one launch, see :func:`~humanline_kernels.ops.linear_chunks.run_grpo`). The logits gradient is
+then written in place into the buffer and ``dh`` and the fp32 ``dW`` / ``db`` are formed during the forward
+pass; the backward only multiplies them by ``grad_output`` (device-side, no host sync). Flops: 6 N D V (no
+recomputed GEMM). The loss value and metrics are those of ``hk.losses.*`` on the full batch.
+:func:`token_logprobs` (per-token ``grad_output`` is unknown in the forward) saves the fp32 log-sum-exp and
+recomputes the GEMM in its backward (8 N D V flops).
 
 A DPO pair (KTO row) never straddles chunks, so one pair (row) is the smallest chunk: with very long rows the
 buffer can exceed ``chunk_bytes`` (``2 T V`` elements for DPO, ``T V`` for KTO).
@@ -41,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from . import _validation as V
-from . import losses
+from . import losses, ops
 from ._clip import DEFAULT_CLIP
 from .ops import linear_chunks as LC
 
@@ -197,6 +199,9 @@ class _LinearLoss(torch.autograd.Function):
 
 def _execute(hidden, weight, bias, job):
     """Run the chunks; return ``(loss, (dh, dW, db))`` and fill ``job['metrics']``."""
+    if "run" in job:  # the kernel path: the job runs its own chunks
+        loss, job["metrics"], grads = job["run"](hidden, weight, bias, job["need"])
+        return loss, grads
     chunks, coef, finalize, need = job["chunks"], job["coef"], job["finalize"], job["need"]
     h2 = hidden.reshape(-1, hidden.shape[-1])
     logp, _, _, dh, dw, db = LC.run(h2, weight, bias, job["labels"].reshape(-1), chunks,
@@ -207,9 +212,11 @@ def _execute(hidden, weight, bias, job):
     return loss.detach(), (dh, dw, db)
 
 
-def _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index):
+def _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run=None):
     job = {"chunks": chunks, "coef": coef, "finalize": finalize, "need": _need(hidden, weight, bias),
            "labels": labels, "temperature": float(temperature), "ignore_index": ignore_index}
+    if run is not None:
+        job["run"] = run
     if any(job["need"]):
         loss = _LinearLoss.apply(hidden, weight, bias, job)
     else:
@@ -244,11 +251,12 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     if kl_ref_logps is not None:
         V.check_tensor("kl_ref_logps", kl_ref_logps, shape=labels.shape, dtypes=(ref_logps.dtype,),
                        device=labels.device)
-    dt, mask = ref_logps.dtype, labels != ignore_index
+    dt = ref_logps.dtype
     terms = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
     agg = dict(loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
 
-    def coef():
+    def coef():  # eager path (the kernel path reads the mask from the labels on the device)
+        mask = labels != ignore_index
         # The aggregation is linear in the per-token terms: its gradient is each token's whole-batch weight.
         w = _grad_wrt(lambda x: losses.grpo_aggregate(x, mask, **agg), torch.zeros(B, T, dtype=dt,
                                                                                    device=mask.device))
@@ -267,11 +275,20 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
         return per_chunk
 
     def finalize(logps):
-        return losses.grpo(logps.to(dt), ref_logps, advantages, mask, clip=clip, kl_ref_logps=kl_ref_logps,
-                           **terms, **agg)
+        return losses.grpo(logps.to(dt), ref_logps, advantages, labels != ignore_index, clip=clip,
+                           kl_ref_logps=kl_ref_logps, **terms, **agg)
 
-    chunks = LC.token_chunks(B * T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
-    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
+    max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+    if not (ops._triton_ok(hidden) and all(t is None or t.dtype == torch.float32 for t in (ref_logps, kl_ref_logps))):
+        chunks = LC.token_chunks(B * T, max_rows)
+        return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
+    chunks = LC.grpo_chunks(B, T, max_rows)
+
+    def run(hidden, weight, bias, need):  # the kernel path, see LC.run_grpo
+        return LC.run_grpo(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels, chunks, need=need,
+                           ref_logps=ref_logps, kl_ref_logps=kl_ref_logps, advantages=advantages, clip=clip,
+                           temperature=temperature, ignore_index=ignore_index, **terms, **agg)
+    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
 
 
 def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0,

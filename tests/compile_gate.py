@@ -10,8 +10,9 @@ and compiles it for ``GPUTarget("cuda", arch, 32)`` with the ptxas inside the tr
 skipped (``warmup=True``). The cases cover every constexpr combination (loss mode, clip, kl_ref, gradient in the
 forward, in place, entropy, loss backward, finalize) at one aligned shape for fp32/bf16/fp16 logits, and every
 specialisation-changing shape (rows not 16-byte aligned, batch/row strides past 2^31, T = 1, odd T, tiny V, a
-``[:, :-1]`` view) for the main configurations. Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in
-its PTX (no local memory; 16-byte global loads in aligned variants).
+``[:, :-1]`` view) for the main configurations, and the fused-linear GRPO driver (row and token chunks). Each
+compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in its PTX (no local memory;
+16-byte global loads in aligned variants, except the finalize kernels, which stream no row).
 
 Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
 """
@@ -123,6 +124,21 @@ def _cases():
         ops.loss_bwd(x, y, f, f, adv, torch.empty((), dtype=torch.float32, device="meta"), 0.7, -100,
                      out=x if inplace else None)
 
+    def linear_grpo(dtype, rows):
+        # the fused-linear GRPO driver as it runs: chunks of whole rows ([k, T, V] views of the buffer) or of tokens
+        # ([n, 1, V]), outputs written into slices of whole-batch buffers
+        from humanline_kernels.ops import linear_chunks as LC
+        B, T, V, D = 4, 16, 32000, 64
+        h = torch.empty((B * T, D), dtype=dtype, device="meta")
+        w = torch.empty((V, D), dtype=dtype, device="meta")
+        y = torch.empty((B, T), dtype=torch.int64, device="meta")
+        f = torch.empty((B, T), dtype=torch.float32, device="meta")
+        adv = torch.empty((B,), dtype=torch.float32, device="meta")
+        LC.run_grpo(h, w, None, y, LC.grpo_chunks(B, T, 2 * T if rows else 12), need=(True, True, False),
+                    ref_logps=f, kl_ref_logps=None, advantages=adv, clip=clip, temperature=1.0, ignore_index=-100,
+                    beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", normalizer=None,
+                    max_completion_length=None)
+
     def finalize(shape_name, kind, variant):
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
         y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]  # a labels view
@@ -178,6 +194,10 @@ def _cases():
             ]
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
                 cases.append((f"loss_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: loss_bwd(s, dt, False)))
+    for dn in ("bf16", "fp32"):
+        for rows in (True, False):
+            cases.append((f"fused_linear grpo rows={rows} {dn}", True,
+                          lambda dt=DTYPES[dn], r=rows: linear_grpo(dt, r)))
     # the [B, T] tail: one program over small fp32 tensors, not a row-streaming kernel, so no 16-byte load rule
     # (B and T are not specialised: the shapes below only change the pointers' and strides' specialisation)
     for sn in ("aligned", "T=1", "odd T, tiny V"):
@@ -251,16 +271,17 @@ def main(argv=None):
                 continue
             seen.add(key)
             regs, stack, spill_st, spill_ld = _resources(ptx, a.arch)
+            # the finalize kernels (one program over small [B, T] tensors) stream no row: no 16-byte load rule
             v = {"case": name, "kernel": kname, "registers": regs, "stack": stack, "spill_stores": spill_st,
                  "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx, "vector_loads": _vector_loads(ptx),
-                 "aligned": aligned}
+                 "aligned": aligned and not kname.endswith("_finalize_kernel")}
             variants.append(v)
             problems = []
             if stack or spill_st or spill_ld or v["local_in_ptx"]:
                 problems.append("spills / local memory")
             # the scale kernel reads only what it writes and the big loops are in the row kernels; every aligned
             # variant of a kernel that streams a row must use 16-byte loads
-            if aligned and not v["vector_loads"]:
+            if v["aligned"] and not v["vector_loads"]:
                 problems.append("no 16-byte global loads in an aligned variant")
             if problems:
                 failures.append({"case": name, "kernel": kname, "error": "; ".join(problems), "resources": v})

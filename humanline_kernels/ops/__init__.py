@@ -152,18 +152,19 @@ def grpo_finalize(val, aux, labels, *, ignore_index, loss_type, normalizer=None,
 
 
 def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignore_index, kl_ref_logps=None,
-                    advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None):
+                    advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None,
+                    out=None):
     """Per-token humanline terms of ``logits [B, T, V]`` in one pass: ``(val, coef, lse, aux)``.
 
     ``mode`` 1 (DPO/KTO): ``val`` = masked clipped log-ratio; 2 (GRPO): ``val`` = masked per-token GRPO term
     ``u + beta * k3``. ``coef = d val / d logp`` (apply it in the backward: ``grad_logp = grad_val * coef``),
     ``lse`` the per-row logsumexp, ``aux [4, B, T]`` = (inside the clip band, GRPO low clip, high clip, k3).
     ``ref_logps``, ``kl_ref_logps`` ``[B, T]``, ``advantages [B]``; ``clip`` a HumanlineClip or None.
-    See :mod:`.losses_kernels` for the exact math.
+    ``out``: ``(val, coef, lse, aux)`` to write into. See :mod:`.losses_kernels` for the exact math.
     """
     kw = dict(mode=mode, clip=clip, temperature=temperature, ignore_index=ignore_index, kl_ref_logps=kl_ref_logps,
               advantages=advantages, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-              row_weight=row_weight, grad_out=grad_out)
+              row_weight=row_weight, grad_out=grad_out, out=out)
     if _triton_ok(logits):
         from . import losses_kernels
         return losses_kernels.token_terms_fwd(logits, labels, ref_logps, **kw)

@@ -18,7 +18,8 @@ import torch
 
 from .. import ops as _ops  # looked up at call time: dispatch (Triton / eager) lives in ops/__init__
 
-__all__ = ["token_chunks", "row_chunks", "pair_chunks", "max_rows_for", "run", "new_buffer"]
+__all__ = ["token_chunks", "row_chunks", "pair_chunks", "grpo_chunks", "max_rows_for", "run", "run_grpo",
+           "new_buffer"]
 
 
 def max_rows_for(V, dtype, chunk_bytes):
@@ -121,9 +122,7 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
     logp = torch.zeros(N, dtype=acc, device=dev)
     lse = lse if given_lse else torch.zeros(N, dtype=acc, device=dev)
     ent = torch.zeros(N, dtype=acc, device=dev) if return_entropy else None
-    dh = torch.empty_like(h2) if grad and need[0] else None
-    dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=acc, device=dev) if grad and need[1] else None
-    db = torch.zeros(V, dtype=acc, device=dev) if grad and bias is not None and need[2] else None
+    dh, dw, db = _alloc_grads(h2, weight, bias, chunks, need) if grad else (None, None, None)
     max_n = max((sum(e - s for s, e in segs) for segs in chunks), default=0)
     buf = new_buffer(max_n * V, cdt, dev)
     wt = weight.t()
@@ -158,3 +157,86 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
         if db is not None:
             db += z.sum(0, dtype=acc)
     return logp, lse, ent, dh, dw, db
+
+
+def _alloc_grads(h2, weight, bias, chunks, need):
+    """``dh`` (input dtype), fp32 ``dW`` (not zero-filled when the first chunk overwrites it) and ``db``."""
+    N, D = h2.shape
+    V = weight.shape[0]
+    acc = torch.float64 if h2.dtype == torch.float64 else torch.float32
+    dh = torch.empty_like(h2) if need[0] else None
+    dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=acc, device=h2.device) if need[1] else None
+    db = torch.zeros(V, dtype=acc, device=h2.device) if bias is not None and need[2] else None
+    return dh, dw, db
+
+
+def run_grpo(h2, weight, bias, labels, chunks, *, need, ref_logps, kl_ref_logps, advantages, clip, temperature,
+             ignore_index, beta, epsilon_low, epsilon_high, loss_type, normalizer, max_completion_length):
+    """GRPO on the kernel path: ``(loss, metrics, (dh, dW, db))``, four launches a chunk.
+
+    Before the chunks, the GRPO finalize kernel gives the row weights ``w_b = d loss / d L`` (they depend on the
+    mask only). Per chunk: the lm_head GEMM into the buffer; the token-terms kernel, which writes the chunk's
+    ``val``, ``aux`` into whole-batch buffers and, when a gradient is wanted, ``dL/dz`` in place into the buffer
+    (``grpo_fwd_grad``); then the ``dh`` and ``dW`` GEMMs (``db`` a column sum). After them one finalize launch
+    for the loss and the metrics. Chunks of whole rows (:func:`grpo_chunks`) run as ``[rows, T, V]``; a token
+    range inside a row (rows longer than the buffer) runs as ``n`` rows of one token, with the per-row inputs
+    (advantage, weight) expanded to tokens first (two copies a call).
+    """
+    B, T = labels.shape
+    N, V = B * T, weight.shape[0]
+    dev = h2.device
+    grad = any(need)
+    labels_bt = labels
+    f32 = dict(dtype=torch.float32, device=dev)
+    val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
+    aux = torch.empty((4, B, T), **f32)
+    dh, dw, db = _alloc_grads(h2, weight, bias, chunks, need) if grad else (None, None, None)
+    fin = dict(ignore_index=ignore_index, loss_type=loss_type, normalizer=normalizer,
+               max_completion_length=max_completion_length)
+    adv = advantages.to(torch.float32)
+    w = _ops.grpo_finalize(None, None, labels, **fin)[2] if grad else None
+    rows = all(s % T == 0 and e % T == 0 for (s, e), in chunks)
+    if rows:
+        def per_row(x, s, e):
+            return x[s // T:e // T]
+    else:  # [B, T] tensors as [N, 1], per-row ones expanded to [N]
+        labels, ref_logps, val, coef, lse = (x.reshape(N, 1) for x in (labels, ref_logps, val, coef, lse))
+        kl_ref_logps = None if kl_ref_logps is None else kl_ref_logps.reshape(N, 1)
+        aux_t = aux.view(4, N, 1)
+        adv = adv.unsqueeze(1).expand(B, T).reshape(N)
+        w = None if w is None else w.unsqueeze(1).expand(B, T).reshape(N)
+
+        def per_row(x, s, e):
+            return x[s:e]
+    buf = new_buffer(max((e - s for (s, e), in chunks), default=0) * V, h2.dtype, dev)
+    wt = weight.t()
+    for i, ((s, e),) in enumerate(chunks):
+        n = e - s
+        z = buf[:n * V].view(n, V)
+        if bias is None:
+            torch.mm(h2[s:e], wt, out=z)
+        else:
+            torch.addmm(bias, h2[s:e], wt, out=z)
+        z3 = z.view(n // T, T, V) if rows else z.view(n, 1, V)
+        out = (per_row(val, s, e), per_row(coef, s, e), per_row(lse, s, e),
+               aux[:, s // T:e // T] if rows else aux_t[:, s:e])
+        _ops.token_terms_fwd(z3, per_row(labels, s, e), per_row(ref_logps, s, e), mode=_ops.MODE_GRPO, clip=clip,
+                             temperature=temperature, ignore_index=ignore_index,
+                             kl_ref_logps=None if kl_ref_logps is None else per_row(kl_ref_logps, s, e),
+                             advantages=per_row(adv, s, e), beta=beta, epsilon_low=epsilon_low,
+                             epsilon_high=epsilon_high, row_weight=None if w is None else per_row(w, s, e),
+                             grad_out=z3 if grad else None, out=out)
+        if dh is not None:
+            torch.mm(z, weight, out=dh[s:e])
+        if dw is not None:
+            _addmm_f32(dw, z.t(), h2[s:e], beta=0 if i == 0 else 1)
+        if db is not None:
+            db += z.sum(0, dtype=db.dtype)
+    loss, met, _ = _ops.grpo_finalize(val.view(B, T), aux, labels_bt, **fin)
+    return loss, dict(zip(_ops.METRICS["grpo"], met.unbind(0))), (dh, dw, db)
+
+
+def grpo_chunks(B, T, max_rows):
+    """GRPO's chunks: whole rows while a row fits in the buffer (the kernel then reads advantages and weights per
+    row), else token ranges."""
+    return row_chunks(B, T, max_rows) if max_rows >= T else token_chunks(B * T, max_rows)

@@ -9,7 +9,8 @@ For each row ``r = (b, t)`` the kernel finds ``lse`` and ``l = z_y - lse`` (onli
   ``coef = m (-A rho [A rho <= A clamp(rho)] [p <= D <= r] + beta (1 - exp(x)))`` (torch's tie rules for
   ``min`` and ``clamp`` give exactly this).
 
-``aux [4, N]`` fp32 holds ``[p < D < r]``, the GRPO low/high clip indicators and ``k3`` (metrics only).
+``aux [4, N]`` fp32 (planes ``N`` apart) holds ``[p < D < r]``, the GRPO low/high clip indicators and ``k3``
+(metrics only; 0 for DPO/KTO).
 With ``GRAD`` (GRPO) the same program also writes ``dz = w_b * coef * (onehot(y) - softmax(z)) / T`` into
 ``grad``, where ``w_b = d loss / d val`` is the aggregation weight of row ``b``: the row is read once for the
 softmax statistics and once more while the gradient is written (from L2 only while the rows in flight fit in it;
@@ -57,6 +58,8 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
     if MODE == 1:
         val = dh
         coef = tl.where(valid & dpass, 1.0, 0.0)
+        for i in range(1, 4):  # GRPO's planes, zero (the buffer is not zero-filled first: one launch less)
+            tl.store(aux_ptr + i * N + r, 0.0)
     else:
         a = tl.load(adv_ptr + r // T).to(tl.float32)
         rho = tl.exp(dh)
@@ -89,17 +92,23 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
 
 
 def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignore_index, kl_ref_logps=None,
-                    advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None):
+                    advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None,
+                    out=None):
     """Launch the kernel on ``logits [B, T, V]``; returns ``(val, coef, lse, aux)`` (fp32 ``[B, T]`` x3, ``[4, B, T]``).
 
     ``clip`` is a :class:`~humanline_kernels.HumanlineClip` or None. With ``row_weight [B]`` and ``grad_out``
-    (a ``[B, T, V]`` buffer, possibly ``logits`` itself) the GRPO gradient is written too.
+    (a ``[B, T, V]`` buffer, possibly ``logits`` itself) the GRPO gradient is written too. ``out``: the four
+    outputs to write into (the fused-linear path passes a chunk's slices of whole-batch buffers: ``val``, ``coef``,
+    ``lse`` contiguous ``[B, T]`` views, ``aux`` ``[4, B, T]`` with any plane stride).
     """
     B, T, V = logits.shape
     dev = logits.device
     f32 = dict(dtype=torch.float32, device=dev)
-    val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
-    aux = torch.zeros((4, B, T), **f32)
+    if out is not None:
+        val, coef, lse, aux = out
+    else:
+        val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
+        aux = torch.empty((4, B, T), **f32)  # every plane is written by the kernel
     if B * T == 0:
         return val, coef, lse, aux
     grad = grad_out is not None
@@ -112,7 +121,7 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
     with device_guard(logits):
         launcher(_token_terms_kernel, logits)[(B * T,)](
             logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1), ref, klr, adv,
-            w, g, g.stride(0), g.stride(1), val, coef, lse, aux, B * T, T, V, 1.0 / temperature, ignore_index,
+            w, g, g.stride(0), g.stride(1), val, coef, lse, aux, aux.stride(0), T, V, 1.0 / temperature, ignore_index,
             float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0,
             1.0 - float(epsilon_low), 1.0 + float(epsilon_high), float(beta), BLOCK_V=block, MODE=mode,
             CLIP=clip is not None, HAS_KL_REF=kl_ref_logps is not None, GRAD=grad, num_warps=warps)

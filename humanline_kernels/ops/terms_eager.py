@@ -25,7 +25,8 @@ def _terms(logp, ref, mask, *, mode, clip, kl_ref_logps, advantages, beta, epsil
 
 
 def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignore_index, kl_ref_logps=None,
-                    advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None):
+                    advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None,
+                    out=None):
     logp, lse, _ = eager.logprobs_fwd(logits, labels, temperature, ignore_index, False)
     mask = labels != ignore_index
     ref = ref_logps.to(logp.dtype)
@@ -45,7 +46,12 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
     if grad_out is not None:
         eager.logprobs_bwd(logits, labels, lse, coef * row_weight.to(coef.dtype).unsqueeze(1), temperature,
                            ignore_index, out=grad_out)
-    return val.detach(), coef, lse, aux
+    res = (val.detach(), coef, lse, aux)
+    if out is not None:
+        for dst, src in zip(out, res):
+            dst.copy_(src)
+        return out
+    return res
 
 
 # ---------------------------------------------------------------- the [B, T] tail (eager twins of finalize_kernels)
