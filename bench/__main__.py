@@ -1,6 +1,6 @@
 """``python -m bench SUITE [args]``: one benchmark CLI.
 
-Suites: logits, linear, sync, host (each prints a table and writes JSON + PNG into ``--out``, default
+Suites: logits, linear, sync, host, e2e (each prints a table and writes JSON + PNG into ``--out``, default
 ``bench/out/``; ``--quick`` is a CPU smoke run) and gpu (every check and benchmark on a GPU machine, see
 docs/kernels.md). ``python -m bench SUITE --help`` for a suite's flags.
 """
@@ -11,6 +11,7 @@ SUITES = {"logits": ("bench.bench_logits", "logits path: token log-probs and fus
           "linear": ("bench.bench_linear", "fused linear path (hidden + lm_head weight), vs the GEMM floor and peers"),
           "sync": ("bench.bench_sync", "reference sync: copy bandwidth, overlap with compute, FSDP2 step"),
           "host": ("bench.bench_host", "kernel launches and CPU enqueue vs GPU time of one loss call"),
+          "e2e": ("bench.bench_e2e", "one DPO step of a 1.5 B Llama: offline vs humanline sync, lookahead, the authors' way"),
           "gpu": ("bench.bench_gpu", "GPU machine: GPU tests, parity at N=8192 V=128256, demo, all benchmarks")}
 
 

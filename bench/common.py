@@ -34,6 +34,19 @@ def env_info() -> dict:
     return info
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver version (``nvidia-smi``), or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        return None
+    return out.splitlines()[0] if out else None
+
+
 def time_ms(fn, *, warmup=25, rep=100) -> float:
     """Median milliseconds of ``fn()``."""
     if torch.cuda.is_available():
@@ -72,11 +85,12 @@ def copy_bandwidth_bytes_per_ms(nbytes=1 << 30, device=None) -> float:
 
 
 def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None = None, y: str = "ratio_to_floor",
-         series: str = "impl", bar: str | None = None, label: tuple = ()) -> str:
+         series: str = "impl", bar: str | tuple | None = None, label: tuple = ()) -> str:
     """Print ``rows`` as a table, write ``out_dir/name.json`` and a PNG, and print the paths written.
 
     The PNG is a line plot of ``y`` against ``x`` per ``series`` or, with ``bar``, horizontal bars of that column
-    labelled by ``series`` and the ``label`` columns; without matplotlib it is skipped, and said so."""
+    (a tuple of columns: one panel each, side by side) labelled by ``series`` and the ``label`` columns; without
+    matplotlib it is skipped, and said so."""
     os.makedirs(out_dir, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     widths = {k: max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys}
@@ -94,10 +108,13 @@ def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None
         print(f"no plot for {name}: matplotlib is not installed (pip install matplotlib, or the .[bench] extra)")
         return path
     if bar is not None:
-        pts = [(" ".join(str(r.get(k)) for k in (series, *label)), r[bar]) for r in rows if r.get(bar) is not None]
-        fig, ax = plt.subplots(figsize=(8, 0.3 * len(pts) + 1.2))
-        ax.barh([n for n, _ in pts][::-1], [v for _, v in pts][::-1])
-        ax.set_xlabel(bar)
+        bars = (bar,) if isinstance(bar, str) else tuple(bar)
+        fig, axes = plt.subplots(1, len(bars), figsize=(8 * len(bars) ** 0.5, 0.3 * len(rows) + 1.2), squeeze=False)
+        for ax, col in zip(axes[0], bars):
+            pts = [(" ".join(str(r.get(k)) for k in (series, *label)), r[col]) for r in rows
+                   if r.get(col) is not None]
+            ax.barh([n for n, _ in pts][::-1], [v for _, v in pts][::-1])
+            ax.set_xlabel(col)
     else:
         fig, ax = plt.subplots(figsize=(7, 4))
         styles = [(m, ls) for ls in ("-", "--", ":") for m in ("o", "s", "^", "D")]  # tell 10+ series apart
@@ -109,7 +126,7 @@ def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None
         ax.set_xlabel(x)
         ax.set_ylabel(y)
         ax.legend(fontsize=7)
-    ax.set_title(f"{name} ({env_info()['device']})", fontsize=9)
+    fig.suptitle(f"{name} ({env_info()['device']})", fontsize=9)
     fig.tight_layout()
     png = os.path.join(out_dir, f"{name}.png")
     fig.savefig(png, dpi=120)

@@ -1,0 +1,362 @@
+"""End to end: one DPO optimizer step of a random-init Llama, offline vs humanline (sync, lookahead, the authors' way).
+
+``python -m bench e2e [--quick] [--out DIR] [--arms ARM ...] [--hidden H] [--layers L] [--heads A] [--kv-heads K]
+[--intermediate I] [--vocab V] [--batch B] [--seq T] [--warmup W] [--steps S] [--lr LR]``
+
+One step = forward, backward and a fused AdamW step (``zero_grad(set_to_none=True)``) of a
+``transformers.LlamaForCausalLM`` built from a config (default: Llama 3.2 1B's shape with an untied lm_head,
+1.50 B parameters, bf16 weights and optimizer state; B = 8 rows = 4 DPO pairs x T = 1024 tokens, the second half
+of each row scored). Arms, each built fresh from the same seed (so the same initial weights and batches):
+
+* ``offline``: ``hk.fused_linear.dpo`` against reference log-probs computed once before timing (no reference
+  model, clip off) -- the floor;
+* ``offline_eager``: the same with the model's logits and an eager fp32 log-softmax (``hk.reference``);
+* ``sync``: a bf16 reference model, its forward (no grad, ``hk.fused_linear.token_logprobs_nograd``) every step,
+  ``hk.ReferenceSyncer(every=1)`` started after it and waited after the backward, clip on;
+* ``lookahead``: ``hk.LookaheadReference(every=1)``: no reference model, the policy computes the next step's
+  reference log-probs in eval mode at ``wait()``, clip on;
+* ``authors``: the HALOs way: a reference model, logits + eager log-softmax for both models,
+  ``reference.load_state_dict(policy.state_dict())`` before ``optimizer.step()``, clip on.
+
+Reported per arm: median ms over the timed steps (CUDA events; ``perf_counter`` on CPU), ratio to ``offline``,
+issue 16's target for humanline (<= 1.30x offline) as a pass/fail column, peak memory
+(``torch.cuda.max_memory_allocated`` over the timed steps, everything the arm holds included; null on CPU) and
+the bytes held between steps (parameters, optimizer state, reference model, cached reference log-probs).
+Exactness: sync, lookahead and the authors' way compute the same losses (the reference of step t is the policy
+before step t-1's update); their step-2 losses are compared and printed, and the run exits 1 when they disagree.
+``--quick``: a tiny fp32 model on CPU in seconds (a smoke test of the harness; the times mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import itertools
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from . import common
+
+ARMS = ("offline", "offline_eager", "sync", "lookahead", "authors")
+HUMANLINE = ("sync", "lookahead", "authors")
+TARGET = 1.30  # issue 16: a humanline step costs at most 1.30x the offline step
+CHECK_STEP = 2  # the first step whose reference is an updated policy (steps 0 and 1 use theta_0)
+# |loss difference| allowed at CHECK_STEP: sync and lookahead run the same kernels on the same weights (bit-equal
+# on CPU; a GPU backward with atomics may differ by rounding); the authors' way has other kernels (eager logits).
+TOL = {"fp32": {"lookahead": 1e-5, "authors": 1e-4}, "bf16": {"lookahead": 1e-2, "authors": 5e-2}}
+FULL = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256, batch=8, seq=1024,
+            warmup=3, steps=10, lr=1e-3)
+QUICK = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, batch=4, seq=32,
+             warmup=3, steps=4, lr=1e-3)
+N_BATCHES = 4  # distinct batches, cycled: step i uses batch i % 4 in every arm
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        print(f"{self.prog}: error: {message} ({self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+# --------------------------------------------------------------------------------------------------- the model
+def _config(a):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                       max_position_embeddings=max(a.seq, 128), tie_word_embeddings=False,
+                       attn_implementation="sdpa")
+
+
+def _policy(a, device, dtype, seed=0):
+    """The same random-init model in every arm (seeded), in training mode."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(_config(a))
+    return model.to(dtype).train()
+
+
+def _frozen_copy(policy):
+    return copy.deepcopy(policy).eval().requires_grad_(False)
+
+
+def _batches(a, device):
+    """DPO batches: rows 0..B/2-1 chosen, B/2.. rejected; the first half of each row is prompt (label -100)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(N_BATCHES):
+        ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+        labels = ids[:, 1:].clone()
+        labels[:, : a.seq // 2 - 1] = -100
+        out.append((ids.to(device), labels.to(device)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- log-probs and losses
+def _hidden(model, ids):
+    return model.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+
+
+def _fused_ref_logps(model, batch):
+    """Reference log-probs through the fused lm_head, nothing saved (the ``logps_fn`` of the lookahead too)."""
+    ids, labels = batch
+    return hk().fused_linear.token_logprobs_nograd(_hidden(model, ids), model.lm_head.weight, labels, validate=False)
+
+
+def _fused_loss(model, batch, ref, clip):
+    ids, labels = batch
+    return hk().fused_linear.dpo(_hidden(model, ids), model.lm_head.weight, labels, ref, clip=clip,
+                                 validate=False)[0]
+
+
+def _eager_logps(model, batch):
+    ids, labels = batch
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    return hk().reference.token_logprobs(logits, labels, validate=False)
+
+
+def _eager_loss(model, batch, ref, clip):
+    logps = _eager_logps(model, batch)
+    return hk().reference.dpo(logps, ref, batch[1] != -100, clip=clip)[0]
+
+
+def hk():
+    import humanline_kernels
+    return humanline_kernels
+
+
+# ------------------------------------------------------------------------------------------------------- arms
+def _build(arm, a, device, dtype):
+    """(step(i) -> detached loss, the tensors the arm holds between steps besides the optimizer's state)."""
+    policy = _policy(a, device, dtype)
+    opt = _adamw(policy, a.lr, device)
+    batches = _batches(a, device)
+    clip = hk().HumanlineClip()
+    held = list(policy.parameters()) + list(policy.buffers())
+
+    def finish(loss):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    if arm in ("offline", "offline_eager"):
+        fused = arm == "offline"
+        with torch.no_grad():  # reference log-probs of theta_0, computed once (policy in eval mode, as a reference)
+            policy.eval()
+            refs = [_fused_ref_logps(policy, b) if fused else _eager_logps(policy, b) for b in batches]
+            policy.train()
+        held += refs
+        loss_fn = _fused_loss if fused else _eager_loss
+
+        def step(i):
+            loss = loss_fn(policy, batches[i % N_BATCHES], refs[i % N_BATCHES], None)
+            loss.backward()
+            return finish(loss)
+    elif arm == "sync":
+        reference = _frozen_copy(policy)
+        held += list(reference.parameters()) + list(reference.buffers())
+        syncer = hk().ReferenceSyncer(policy, reference, every=1)
+
+        def step(i):
+            b = batches[i % N_BATCHES]
+            ref = _fused_ref_logps(reference, b)
+            syncer.start()  # after the step's reference forward; copies during the policy's forward/backward
+            loss = _fused_loss(policy, b, ref, clip)
+            loss.backward()
+            syncer.wait()
+            return finish(loss)
+    elif arm == "lookahead":
+        stream = (batches[i % N_BATCHES] for i in itertools.count())
+        lookahead = hk().LookaheadReference(policy, stream, _fused_ref_logps, every=1)
+        it = iter(lookahead)
+
+        def step(i):
+            b, ref = next(it)
+            loss = _fused_loss(policy, b, ref, clip)
+            loss.backward()
+            lookahead.wait()  # the policy, theta_i, computes step i+1's reference log-probs here
+            return finish(loss)
+    elif arm == "authors":
+        reference = _frozen_copy(policy)
+        held += list(reference.parameters()) + list(reference.buffers())
+
+        def step(i):
+            b = batches[i % N_BATCHES]
+            with torch.no_grad():
+                ref = _eager_logps(reference, b)
+            loss = _eager_loss(policy, b, ref, clip)
+            loss.backward()
+            reference.load_state_dict(policy.state_dict())
+            return finish(loss)
+    else:  # pragma: no cover - argparse's choices
+        raise ValueError(arm)
+    return step, held, opt
+
+
+def _adamw(policy, lr, device):
+    try:
+        return torch.optim.AdamW(policy.parameters(), lr=lr, fused=True)
+    except (RuntimeError, TypeError):  # a torch without fused AdamW on this device (CPU smoke runs only)
+        return torch.optim.AdamW(policy.parameters(), lr=lr, foreach=device != "cpu")
+
+
+def _bytes(tensors):
+    seen, n = set(), 0
+    for t in tensors:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            n += t.numel() * t.element_size()
+    return n
+
+
+def run_arm(arm, a, device, dtype):
+    """Warm-up and timed steps of one arm; every loss, median ms, peak and held GiB."""
+    cuda = device == "cuda"
+    step, held, opt = _build(arm, a, device, dtype)
+    losses = [step(i) for i in range(a.warmup)]  # compile, autotune, allocator, optimizer state
+    opt_state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    held_gib = _bytes(held + opt_state) / 2**30
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.steps)]
+    times = []
+    for k in range(a.steps):
+        i = a.warmup + k
+        if cuda:
+            ev[k][0].record()
+            losses.append(step(i))
+            ev[k][1].record()
+        else:
+            t0 = time.perf_counter()
+            losses.append(step(i))
+            times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in ev]
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        peak = None
+    return {"ms": statistics.median(times), "peak_GiB": peak, "held_GiB": held_gib,
+            "losses": [float(x) for x in losses]}
+
+
+def _free(device):
+    gc.collect()  # the arm's models, optimizer and closures form cycles
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ------------------------------------------------------------------------------------------------------- main
+def _checks(res, precision):
+    """Step-CHECK_STEP losses of lookahead and the authors' way against sync's (same math, same weights)."""
+    out = {}
+    if "sync" not in res:
+        return out
+    base = res["sync"]["losses"][CHECK_STEP]
+    for arm in ("lookahead", "authors"):
+        if arm in res:
+            got = res[arm]["losses"][CHECK_STEP]
+            tol = TOL[precision][arm]
+            diff = abs(got - base)
+            out[f"{arm}_vs_sync"] = {"step": CHECK_STEP, "sync": base, arm: got, "abs_diff": diff, "tol": tol,
+                                     "ok": math.isfinite(diff) and diff <= tol}
+    # the check means something only if the reference moved: step 2's loss is no longer DPO's log 2 of step 0
+    out["reference_moved"] = abs(base - res["sync"]["losses"][0]) > 0
+    return out
+
+
+def main(argv=None):
+    p = _Parser(prog="python -m bench e2e", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU, seconds (a smoke run)")
+    p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms to run (offline always runs)")
+    for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "warmup", "steps"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
+                       help=f"default {FULL[k]} ({QUICK[k]} with --quick)")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']})")
+    a = p.parse_args(argv)
+    defaults = QUICK if a.quick else FULL
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if not a.quick and not torch.cuda.is_available():
+        p.error("the full size needs a CUDA device (this machine has none); --quick is the CPU smoke run")
+    for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "steps"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    if a.batch < 2 or a.batch % 2:
+        p.error(f"--batch must be an even number >= 2 (chosen and rejected rows), got {a.batch}")
+    if a.seq < 4:
+        p.error(f"--seq must be >= 4, got {a.seq}")
+    if a.hidden % a.heads or a.heads % a.kv_heads:
+        p.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads}), and --heads of --kv-heads "
+                f"({a.kv_heads})")
+    if a.warmup <= CHECK_STEP:
+        p.error(f"--warmup must be >= {CHECK_STEP + 1} (the exactness check reads step {CHECK_STEP})")
+    if not (a.lr > 0 and math.isfinite(a.lr)):
+        p.error(f"--lr must be a positive number, got {a.lr}")
+    arms = [arm for arm in ARMS if arm == "offline" or arm in a.arms]
+    device = "cpu" if a.quick else "cuda"
+    dtype = torch.float32 if a.quick else torch.bfloat16
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+
+    n_params = sum(t.numel() for t in _policy(a, "meta", dtype).parameters())
+    print(f"e2e: Llama {n_params / 1e9:.3g} B ({a.layers} layers, hidden {a.hidden}, V = {a.vocab}), {precision}, "
+          f"B = {a.batch} x T = {a.seq}, {a.warmup} warm-up + {a.steps} timed steps, on {device}", flush=True)
+    res = {}
+    for k, arm in enumerate(arms):
+        print(f"[e2e {k + 1}/{len(arms)}] {arm}", flush=True)
+        t0 = time.time()
+        res[arm] = run_arm(arm, a, device, dtype)
+        _free(device)
+        print(f"  {res[arm]['ms']:.4g} ms/step, losses {', '.join(f'{x:.6g}' for x in res[arm]['losses'][:4])}"
+              f" ... ({time.time() - t0:.1f} s)", flush=True)
+
+    checks = _checks(res, precision)
+    for name, c in checks.items():
+        if name != "reference_moved":
+            arm = name.split("_vs_")[0]
+            print(f"check {name}: step {c['step']} loss sync {c['sync']:.8g}, {arm} {c[arm]:.8g}, "
+                  f"|diff| {c['abs_diff']:.3g} (tol {c['tol']:g}) {'ok' if c['ok'] else 'FAIL'}")
+    if "reference_moved" in checks and not checks["reference_moved"]:
+        print(f"check: step {CHECK_STEP}'s loss equals step 0's: the weights did not move (raise --lr)")
+
+    off, off_peak = res["offline"]["ms"], res["offline"]["peak_GiB"]
+    labels = {"offline": "offline hk.fused_linear.dpo", "offline_eager": "offline logits + eager log-softmax",
+              "sync": "humanline hk sync", "lookahead": "humanline hk lookahead",
+              "authors": "humanline authors' way"}
+    rows = []
+    for arm in arms:
+        r = res[arm]
+        rows.append({"arm": arm, "what": labels[arm], "ms": r["ms"], "x_offline": r["ms"] / off,
+                     f"<={TARGET}x": (r["ms"] / off <= TARGET) if arm in HUMANLINE else None,
+                     "peak_GiB": r["peak_GiB"],
+                     "peak_x_offline": None if off_peak is None else r["peak_GiB"] / off_peak,
+                     "held_GiB": r["held_GiB"], f"loss_step{CHECK_STEP}": r["losses"][CHECK_STEP]})
+    meta = {"device": device, "dtype": precision, "params": n_params, "model": "LlamaForCausalLM (random init, "
+            "untied lm_head, sdpa attention)", "config": {k: getattr(a, k) for k in FULL}, "arms": arms,
+            "tokens_per_step": a.batch * a.seq, "target_x_offline": TARGET, "checks": checks,
+            "losses": {arm: r["losses"] for arm, r in res.items()},
+            "optimizer": "torch.optim.AdamW(fused=True), zero_grad(set_to_none=True)",
+            "timing": "median over the timed steps: CUDA events per step (perf_counter on CPU)",
+            "peak_GiB": "torch.cuda.max_memory_allocated over the timed steps, reset after the warm-up; "
+                        "null on CPU (no allocator statistics)",
+            "held_GiB": "bytes held between steps: parameters, optimizer state, reference model, cached "
+                        "reference log-probs (gradients and activations not included)",
+            "driver": common.driver_version()}
+    common.save("e2e" + ("_quick" if a.quick else ""), rows, meta, a.out, series="arm",
+                bar=("ms", "peak_GiB" if device == "cuda" else "held_GiB"))
+    bad = [n for n, c in checks.items() if n != "reference_moved" and not c["ok"]]
+    if bad:
+        print(f"e2e: the arms disagree ({', '.join(bad)}): an arm does not compute what sync computes",
+              file=sys.stderr)
+        return 1
+    return 0
+

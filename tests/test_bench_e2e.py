@@ -1,0 +1,64 @@
+"""``python -m bench e2e``: the CPU smoke run is quick, writes its JSON (and PNG), prints every arm, and the arms
+compute what they claim (sync, lookahead and the authors' way: the same losses); bad flags are a one-line error."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _e2e(*args):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the eager CPU path: the interpreter would take minutes
+    return subprocess.run([sys.executable, "-m", "bench", "e2e", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=env)
+
+
+def test_quick_runs_every_arm_and_the_humanline_arms_agree(tmp_path):
+    t0 = time.time()
+    r = _e2e("--quick", "--out", str(tmp_path))
+    took = time.time() - t0
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert took < 30, f"--quick took {took:.1f} s"
+    data = json.loads((tmp_path / "e2e_quick.json").read_text())
+    arms = ["offline", "offline_eager", "sync", "lookahead", "authors"]
+    assert [row["arm"] for row in data["rows"]] == arms
+    table = r.stdout[r.stdout.index("arm "):]
+    for arm in arms:
+        assert f"\n{arm} " in table
+    if (tmp_path / "e2e_quick.png").exists():
+        assert f"wrote {tmp_path / 'e2e_quick.png'}" in r.stdout
+    else:
+        assert "matplotlib is not installed" in r.stdout
+    losses, checks = data["meta"]["losses"], data["meta"]["checks"]
+    # step 2 is the first whose reference is an updated policy; lookahead = sync to round-off, every step
+    assert checks["reference_moved"] and checks["lookahead_vs_sync"]["ok"] and checks["authors_vs_sync"]["ok"]
+    assert losses["lookahead"] == pytest.approx(losses["sync"], abs=1e-6)
+    assert losses["authors"] == pytest.approx(losses["sync"], abs=1e-4)
+    assert losses["sync"][2] != pytest.approx(losses["offline"][2], abs=1e-6)  # offline keeps theta_0
+    rows = {row["arm"]: row for row in data["rows"]}
+    assert rows["offline"]["x_offline"] == 1 and rows["sync"]["<=1.3x"] in (True, False)
+    assert rows["offline"]["<=1.3x"] is None and rows["sync"]["peak_GiB"] is None  # no allocator stats on CPU
+    # the reference model is held by sync and the authors' way, not by the lookahead
+    assert rows["lookahead"]["held_GiB"] < rows["sync"]["held_GiB"] == pytest.approx(rows["authors"]["held_GiB"])
+
+
+@pytest.mark.parametrize("args, says", [(("--quick", "--batch", "3"), "--batch must be an even"),
+                                        (("--quick", "--warmup", "1"), "--warmup must be >= 3"),
+                                        (("--quick", "--heads", "5"), "must be a multiple of --heads"),
+                                        (("--quick", "--arms", "nope"), "invalid choice"),
+                                        (("--quick", "--steps", "x"), "invalid int value"),
+                                        (("--quick", "--lr", "-1"), "--lr must be a positive")])
+def test_bad_flags_are_one_line(args, says):
+    r = _e2e(*args)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_full_size_refuses_cpu_in_one_line():
+    r = _e2e()
+    assert r.returncode == 2 and "needs a CUDA device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
