@@ -381,3 +381,15 @@ def test_kto_finalize_given_z0():
     loss_r, met_r = hk.reference.kto(logps, ref, y != -100, des, *kl, beta=0.2, undesirable_weight=1.5)
     torch.testing.assert_close(got[0], loss_r, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got[1][0], met_r["kl"])
+
+
+def test_kto_strided_desirable_and_kl_inputs():
+    """Strided views are accepted by validation, so the finalize kernel must not read them with stride 1 (a
+    ``flags[::2]`` read as ``flags[:4]`` swaps desirable and undesirable rows)."""
+    x, y, ref = _data(4, 5, 90, seed=5)
+    desirable = torch.tensor([True, True, False, False, True, True, False, False])[::2]  # T F T F
+    g = torch.Generator().manual_seed(6)
+    kl = (torch.randn(4, 3, generator=g) - 2).t()  # [3, 4] views, not contiguous
+    kl_ref = (torch.randn(4, 3, generator=g) - 2.5).t()
+    kl_mask = (torch.rand(4, 3, generator=g) > 0.3).t()
+    _run("kto", x, y, ref, (desirable, kl, kl_ref, kl_mask), dict(beta=0.3, clip=hk.HumanlineClip(-1.0, 1.0)))

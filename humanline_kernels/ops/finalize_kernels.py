@@ -270,6 +270,7 @@ def _outputs(ref, B, K):
 def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing):
     """``(loss, metrics [5], w [2P])`` of DPO from the row kernel's ``val``/``aux`` (see the kernel)."""
     B, T = labels.shape
+    val, aux = val.contiguous(), aux.contiguous()  # read with unit strides (free when already contiguous)
     loss, met, w = _outputs(val, B, len(METRICS["dpo"]))
     bb, bt, warps = tiles(val)
     with device_guard(val):
@@ -283,6 +284,8 @@ def kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z
                  desirable_weight, undesirable_weight, clip):
     """``(loss, metrics [4], w [B])`` of KTO; the KL rows are ``kl_*`` (or None), or ``z0`` is given."""
     B, T = labels.shape
+    # the kernel reads these with unit strides; validation accepts strided views (free when already contiguous)
+    val, aux, desirable = val.contiguous(), aux.contiguous(), desirable.contiguous()
     loss, met, w = _outputs(val, B, len(METRICS["kto"]))
     has_kl = kl_logps is not None and z0 is None
     kl = kl_logps.contiguous() if has_kl else val
@@ -313,6 +316,8 @@ def grpo_finalize(val, aux, labels, *, ignore_index, loss_type, normalizer=None,
     length = T if max_completion_length is None else max_completion_length
     dr_scale = 1.0 / (B * length) if B * length else 0.0
     terms = val is not None
+    if terms:
+        val, aux = val.contiguous(), aux.contiguous()  # read with unit strides (free when already contiguous)
     bb, bt, warps = tiles(labels)
     with device_guard(labels):
         launcher(_grpo_finalize_kernel, labels)[(1,)](
