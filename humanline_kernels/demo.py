@@ -196,9 +196,8 @@ class _Source:
     """Where an arm's examples come from: the fixed offline pool, the current policy, or (GRPO) stale samples."""
 
     def __init__(self, arm, objective, pool, batch, gen, device, resample_every):
-        self.arm, self.objective, self.pool, self.batch, self.gen, self.device = arm, objective, pool, batch, gen, \
-            device
-        self.resample_every = resample_every
+        self.arm, self.objective, self.pool, self.batch = arm, objective, pool, batch
+        self.gen, self.device, self.resample_every = gen, device, resample_every
         self.buffer, self.sample_s = [], 0.0
 
     def _sample(self, policy, prompts_n):
