@@ -168,11 +168,11 @@ class _GrpoGradInForward(torch.autograd.Function):
 def _distinct(*ts):
     """The tensors, a repeated one as a view of itself (free): Dynamo refuses the same tensor twice in the inputs
     of an autograd.Function (e.g. ``kl_ref_logps=ref_logps``)."""
-    seen, out = set(), []
+    out = []
     for t in ts:
-        if t is not None and id(t) in seen:
+        # `is`, not id(): torch 2.11's Dynamo cannot trace id() of None or of a tensor made inside the graph
+        if t is not None and any(t is u for u in out):
             t = t.view(t.shape)
-        seen.add(id(t))
         out.append(t)
     return out
 
