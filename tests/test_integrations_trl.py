@@ -258,15 +258,15 @@ def test_dpo_peft_humanline_reference_is_the_pre_update_peft_model(tiny_path, ev
         def on_step_begin(self, args, state, control, model=None, **k):
             snaps.append(copy.deepcopy(tr.accelerator.unwrap_model(tr.model)))
 
-    ref_forward = tr._hk_ref_forward
+    ref_logps = tr._hk_ref_logps
 
-    def recording(kwargs, labels):
-        out = ref_forward(kwargs, labels)
+    def recording(kwargs, labels, policy):
+        out = ref_logps(kwargs, labels, policy)
         if tr.model.training:
             calls.append((tr.state.global_step, {k: v.clone() for k, v in kwargs.items() if torch.is_tensor(v)},
                           labels.clone(), out.detach().clone()))
         return out
-    tr._hk_ref_forward = recording
+    tr._hk_ref_logps = recording
     tr.add_callback(Snap())
     _adapter_lag(tr, every, 5)
     assert len(calls) == 5 * accum

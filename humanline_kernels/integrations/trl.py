@@ -182,6 +182,17 @@ def _precheck_lookahead(name, args, ref_model):
             "'lookahead' does not have (no reference model); set eval_strategy='no' or use humanline_reference='sync'")
 
 
+def _lookahead_init(trainer, args, ref_model, trl_module):
+    """Set ``trainer.hk_lookahead`` from ``args``; the context TRL's ``__init__`` runs in (with the lookahead: the
+    lookahead's prechecks, then no reference model loaded)."""
+    name = type(trainer).__name__
+    trainer.hk_lookahead = _hk_reference_mode(args, name) == "lookahead"
+    if not trainer.hk_lookahead:
+        return contextlib.nullcontext()
+    _precheck_lookahead(name, args, ref_model)
+    return _no_trl_reference(trainer, trl_module)
+
+
 @contextlib.contextmanager
 def _no_trl_reference(trainer, trl_module):
     """Keep TRL from loading a reference model. TRL 1.16 (dpo_trainer.py 908-927, kto_trainer.py 919-938) loads one
@@ -250,9 +261,13 @@ class _HumanlineMixin:
             return
         self.hk_sync.reference_done(blocking=self.is_deepspeed_enabled)
 
-    def _hk_ref_forward(self, kwargs, labels, policy=None):
-        """Reference per-token log-probs (no grad), from ``self.ref_model``, the adapter-disabled PEFT policy or,
-        with the lookahead, ``policy`` itself (in eval mode, put there by ``LookaheadReference``)."""
+    def _hk_ref_forward(self, kwargs, labels, T, policy=None):
+        """Reference per-token log-probs (no grad) of the last ``T`` positions, fp32, from ``self.ref_model``, the
+        adapter-disabled PEFT policy or, with the lookahead, ``policy`` itself (in eval mode, put there by
+        ``LookaheadReference``)."""
+        return self._hk_ref_logps(kwargs, labels, policy)[:, -T:].float()
+
+    def _hk_ref_logps(self, kwargs, labels, policy):
         # only when checkpointing is on: TRL's helper asks the model about it through deprecated transformers 5 names
         ckpt = (disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
                 if _checkpointing_on(self.args) else contextlib.nullcontext())
@@ -513,10 +528,7 @@ class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
         _refuse(args.use_weighting, "HumanlineDPOTrainer does not support use_weighting (WPO)")
         _refuse(args.label_smoothing != 0.0, "HumanlineDPOTrainer: label_smoothing is ignored by TRL's 'sigmoid' loss "
                 "and not supported here; set label_smoothing=0.0")
-        self.hk_lookahead = _hk_reference_mode(args, type(self).__name__) == "lookahead"
-        if self.hk_lookahead:
-            _precheck_lookahead(type(self).__name__, args, ref_model)
-        with _no_trl_reference(self, _dpo_module) if self.hk_lookahead else contextlib.nullcontext():
+        with _lookahead_init(self, args, ref_model, _dpo_module):
             super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
         self._hk_setup()
 
@@ -530,7 +542,7 @@ class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
 
     def _hk_reference_of(self, policy, inputs):
         kw, labels, mask = self._hk_inputs(self._prepare_inputs(inputs))  # (on the device, as training_step does)
-        return self._hk_ref_forward(kw, labels, policy)[:, -mask.size(1):].float()
+        return self._hk_ref_forward(kw, labels, mask.size(1), policy)
 
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"
@@ -539,7 +551,7 @@ class HumanlineDPOTrainer(_HumanlineMixin, DPOTrainer):
         if self.hk_lookahead:
             ref_logps = self._hk_lookahead_refs(inputs)
         else:
-            ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
+            ref_logps = self._hk_ref_forward(kw, labels, T)
             self._hk_reference_done()
         out = model(**kw, labels=labels, fused_lm_head=True)
         logps = out.log_probs[:, -T:].float()
@@ -594,10 +606,7 @@ class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
         self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = _hk_settings(args)
         _precheck_common(type(self).__name__, args, model, peft_config, self.hk_humanline)
         _refuse(args.loss_type != "kto", f"HumanlineKTOTrainer supports loss_type='kto' only, got {args.loss_type!r}")
-        self.hk_lookahead = _hk_reference_mode(args, type(self).__name__) == "lookahead"
-        if self.hk_lookahead:
-            _precheck_lookahead(type(self).__name__, args, ref_model)
-        with _no_trl_reference(self, _kto_module) if self.hk_lookahead else contextlib.nullcontext():
+        with _lookahead_init(self, args, ref_model, _kto_module):
             super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
         self._hk_setup()
 
@@ -613,11 +622,11 @@ class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
         same rows (``[B, T + T_KL]``: LookaheadReference keeps one tensor per micro-batch)."""
         batch = self._prepare_inputs(batch)  # (on the device, as training_step does)
         kw, labels, mask = self._hk_inputs(batch)
-        ref = self._hk_ref_forward(kw, labels, policy)[:, -mask.size(1):].float()
+        ref = self._hk_ref_forward(kw, labels, mask.size(1), policy)
         if not self.calculate_KL:
             return ref
         kl_kw, kl_labels, kl_mask = self._hk_kl_inputs(batch)
-        return torch.cat([ref, self._hk_ref_forward(kl_kw, kl_labels, policy)[:, -kl_mask.size(1):].float()], 1)
+        return torch.cat([ref, self._hk_ref_forward(kl_kw, kl_labels, kl_mask.size(1), policy)], 1)
 
     def _hk_kl_inputs(self, batch):
         kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL | {"input_ids", "attention_mask"}}
@@ -643,8 +652,8 @@ class HumanlineKTOTrainer(_HumanlineMixin, KTOTrainer):
             ref_logps, kl_ref = (ref_logps[:, :T], ref_logps[:, T:]) if self.calculate_KL else (ref_logps, None)
         else:
             if self.calculate_KL:
-                kl_ref = self._hk_ref_forward(kl_kw, kl_labels)[:, -kl_mask.size(1):].float()
-            ref_logps = self._hk_ref_forward(kw, labels)[:, -T:].float()
+                kl_ref = self._hk_ref_forward(kl_kw, kl_labels, kl_mask.size(1))
+            ref_logps = self._hk_ref_forward(kw, labels, T)
             self._hk_reference_done()
         if self.calculate_KL:
             with torch.no_grad():  # the KL rows only set the detached baseline z0
