@@ -7,14 +7,14 @@ count). Logits are ``z = hidden @ weight.T + bias``; everything else is the math
 How it runs (:mod:`humanline_kernels.ops.linear_chunks`): tokens go through the lm_head in chunks of at most
 ``chunk_bytes`` of logits (one reused buffer, input dtype). For the losses each chunk holds everything its loss
 coefficients need -- single tokens for GRPO, whole rows for KTO (its KL rows enter only through the baseline
-``z0``, computed from the given ``kl_logps`` before the chunks run), whole chosen/rejected pairs (rows ``j`` and
-``P + j``) for DPO -- so ``g = dL/dlogp`` is known inside the chunk: it comes from autograd on the small
-``[rows, T]`` log-prob tensors through the factored math of :mod:`humanline_kernels.losses`, with chunk means
-rescaled to whole-batch means (GRPO on the kernel path: the token-terms kernel of the logits path does this and
-the next step in one launch, see :func:`~humanline_kernels.ops.linear_chunks.run_grpo`). The logits gradient is
-then written in place into the buffer and ``dh`` and the fp32 ``dW`` / ``db`` are formed during the forward
-pass; the backward only multiplies them by ``grad_output`` (device-side, no host sync). Flops: 6 N D V (no
-recomputed GEMM). The loss value and metrics are those of ``hk.losses.*`` on the full batch.
+``z0``), whole chosen/rejected pairs (rows ``j`` and ``P + j``) for DPO -- so ``g = dL/dlogp`` is known inside the
+chunk. On the kernel path (:func:`~humanline_kernels.ops.linear_chunks.run_kernels`) the row kernels and finalize
+kernels of :mod:`humanline_kernels.fused` give it and write ``dL/dz`` in place into the buffer (nine launches
+forward + backward in one chunk); elsewhere it comes from autograd on the small ``[rows, T]`` log-prob tensors
+through the factored math of :mod:`humanline_kernels.losses`, with chunk means rescaled to whole-batch means.
+``dh`` and the fp32 ``dW`` / ``db`` are formed during the forward pass; the backward only multiplies them by
+``grad_output`` (device-side, no host sync). Flops: 6 N D V (no recomputed GEMM). The loss value and metrics are
+those of ``hk.losses.*`` on the full batch.
 :func:`token_logprobs` (per-token ``grad_output`` is unknown in the forward) saves the fp32 log-sum-exp and
 recomputes the GEMM in its backward (8 N D V flops).
 
@@ -193,7 +193,7 @@ class _LinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, go):
         (dh, dw, db), (h_shape, w_dtype, b_dtype) = ctx.grads, ctx.meta
-        dh = None if dh is None else (dh * go.to(dh.dtype)).view(h_shape)
+        dh = None if dh is None else (dh * go).view(h_shape)  # one kernel: a 0-d go does not promote dh
         return dh, _scaled(dw, go, w_dtype), _scaled(db, go, b_dtype), None
 
 
@@ -231,8 +231,24 @@ def _grad_wrt(fn, x):
         return torch.autograd.grad(fn(x).sum(), x)[0]
 
 
+def _kernels_ok(hidden, *logps):
+    """The kernel path: Triton for ``hidden``'s device and fp32 log-prob inputs (fp64 ones stay eager)."""
+    return ops._triton_ok(hidden) and all(t is None or t.dtype == torch.float32 for t in logps)
+
+
+def _kernel_run(kind, labels, ref_logps, clip, temperature, ignore_index, terms, fin, chunks):
+    """The ``run`` of a job on the kernel path (:func:`~humanline_kernels.ops.linear_chunks.run_kernels`)."""
+    def run(hidden, weight, bias, need):
+        return LC.run_kernels(kind, hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels, chunks, need=need,
+                              ref_logps=ref_logps, clip=clip, temperature=temperature, ignore_index=ignore_index,
+                              terms=terms, fin=fin)
+    return run
+
+
 def _rows(x, segs, T):
     """The ``[rows, T]`` slice of a ``[B, T]`` tensor covered by a chunk's flat token ranges."""
+    if T == 0:  # rows without tokens come as one chunk of every row
+        return x
     return torch.cat([x[s // T:e // T] for s, e in segs]) if len(segs) > 1 else x[segs[0][0] // T:segs[0][1] // T]
 
 
@@ -279,15 +295,12 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
                            kl_ref_logps=kl_ref_logps, **terms, **agg)
 
     max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    if not (ops._triton_ok(hidden) and all(t is None or t.dtype == torch.float32 for t in (ref_logps, kl_ref_logps))):
+    if not _kernels_ok(hidden, ref_logps, kl_ref_logps):
         chunks = LC.token_chunks(B * T, max_rows)
         return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
     chunks = LC.grpo_chunks(B, T, max_rows)
-
-    def run(hidden, weight, bias, need):  # the kernel path, see LC.run_grpo
-        return LC.run_grpo(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels, chunks, need=need,
-                           ref_logps=ref_logps, kl_ref_logps=kl_ref_logps, advantages=advantages, clip=clip,
-                           temperature=temperature, ignore_index=ignore_index, **terms, **agg)
+    run = _kernel_run("grpo", labels, ref_logps, clip, temperature, ignore_index,
+                      dict(terms, advantages=advantages, kl_ref_logps=kl_ref_logps), agg, chunks)
     return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
 
 
@@ -302,9 +315,11 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
     V.check_dpo_rows(B)
     V.check_common(clip=clip, beta=beta)
     V.check_dpo_args(label_smoothing)
-    dt, mask, P = ref_logps.dtype, labels != ignore_index, B // 2
+    dt, P = ref_logps.dtype, B // 2
 
     def coef():
+        mask = labels != ignore_index
+
         def per_chunk(segs, lp):
             ref, m = _rows(ref_logps, segs, T), _rows(mask, segs, T)
             k = ref.shape[0] // 2
@@ -316,10 +331,15 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
         return per_chunk
 
     def finalize(logps):
-        return losses.dpo(logps.to(dt), ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
+        return losses.dpo(logps.to(dt), ref_logps, labels != ignore_index, clip=clip, beta=beta,
+                          label_smoothing=label_smoothing)
 
     chunks = LC.pair_chunks(B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
-    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
+    run = None
+    if _kernels_ok(hidden, ref_logps):
+        run = _kernel_run("dpo", labels, ref_logps, clip, temperature, ignore_index, {},
+                          dict(beta=beta, label_smoothing=label_smoothing), chunks)
+    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
 
 
 def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
@@ -334,14 +354,20 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
     V.check_common(clip=clip, beta=beta)
     V.check_kto_args(B, labels.device, desirable, kl_logps, kl_ref_logps, kl_mask,
                      desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    dt, mask = ref_logps.dtype, labels != ignore_index
+    dt = ref_logps.dtype
     weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    with torch.no_grad():  # z0 is known before any chunk runs
-        s_kl = (ref_logps.new_zeros(0) if kl_logps is None else
-                losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(dt))
-        z0 = losses.kto_baseline(s_kl)
+    kernels = _kernels_ok(hidden, ref_logps, kl_logps, kl_ref_logps)
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    z0 = None
+    if dist or not kernels:  # z0 is known before any chunk runs (all-reduced across ranks under torch.distributed)
+        with torch.no_grad():
+            s_kl = (ref_logps.new_zeros(0) if kl_logps is None else
+                    losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(dt))
+            z0 = losses.kto_baseline(s_kl)
 
     def coef():
+        mask = labels != ignore_index
+
         def per_chunk(segs, lp):
             ref, m, des = _rows(ref_logps, segs, T), _rows(mask, segs, T), _rows(desirable, segs, T)
             k = ref.shape[0]
@@ -353,10 +379,15 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
         return per_chunk
 
     def finalize(logps):
-        clipped, n_in, n = losses.clip_log_ratio(logps.to(dt), ref_logps, mask, clip)
+        clipped, n_in, n = losses.clip_log_ratio(logps.to(dt), ref_logps, labels != ignore_index, clip)
         loss, metrics = losses.kto_from_sums(clipped.sum(dim=1), z0, desirable, **weights)
         metrics["unclipped_frac"] = losses._frac(n_in, n).detach()
         return loss, metrics
 
     chunks = LC.row_chunks(B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
-    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
+    run = None
+    if kernels:  # without torch.distributed the finalize kernel finds z0 from the KL rows itself
+        run = _kernel_run("kto", labels, ref_logps, clip, temperature, ignore_index, {},
+                          dict(weights, desirable=desirable, kl_logps=kl_logps, kl_ref_logps=kl_ref_logps,
+                               kl_mask=kl_mask, z0=z0, clip=clip), chunks)
+    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)

@@ -10,8 +10,8 @@ and compiles it for ``GPUTarget("cuda", arch, 32)`` with the ptxas inside the tr
 skipped (``warmup=True``). The cases cover every constexpr combination (loss mode, clip, kl_ref, gradient in the
 forward, in place, entropy, loss backward, finalize) at one aligned shape for fp32/bf16/fp16 logits, and every
 specialisation-changing shape (rows not 16-byte aligned, batch/row strides past 2^31, T = 1, odd T, tiny V, a
-``[:, :-1]`` view) for the main configurations, and the fused-linear GRPO driver (row and token chunks). Each
-compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in its PTX (no local memory;
+``[:, :-1]`` view) for the main configurations, and the fused-linear driver of each loss (one chunk and split
+chunks). Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in its PTX (no local memory;
 16-byte global loads in aligned variants, except the finalize kernels, which stream no row).
 
 Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
@@ -124,9 +124,10 @@ def _cases():
         ops.loss_bwd(x, y, f, f, adv, torch.empty((), dtype=torch.float32, device="meta"), 0.7, -100,
                      out=x if inplace else None)
 
-    def linear_grpo(dtype, rows):
-        # the fused-linear GRPO driver as it runs: chunks of whole rows ([k, T, V] views of the buffer) or of tokens
-        # ([n, 1, V]), outputs written into slices of whole-batch buffers
+    def linear(kind, dtype, split):
+        # the fused-linear driver as it runs: each chunk's logits in an [n, V] buffer addressed through its token
+        # ranges, outputs written into whole-batch buffers; GRPO chunks of whole rows or of tokens (split), DPO
+        # chunks of all pairs (one range) or of some (two ranges), KTO chunks of rows
         from humanline_kernels.ops import linear_chunks as LC
         B, T, V, D = 4, 16, 32000, 64
         h = torch.empty((B * T, D), dtype=dtype, device="meta")
@@ -134,14 +135,27 @@ def _cases():
         y = torch.empty((B, T), dtype=torch.int64, device="meta")
         f = torch.empty((B, T), dtype=torch.float32, device="meta")
         adv = torch.empty((B,), dtype=torch.float32, device="meta")
-        LC.run_grpo(h, w, None, y, LC.grpo_chunks(B, T, 2 * T if rows else 12), need=(True, True, False),
-                    ref_logps=f, kl_ref_logps=None, advantages=adv, clip=clip, temperature=1.0, ignore_index=-100,
-                    beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo", normalizer=None,
-                    max_completion_length=None)
+        terms, fin = {}, {}
+        if kind == "grpo":
+            chunks = LC.grpo_chunks(B, T, 12 if split else 2 * T)
+            terms = dict(advantages=adv, kl_ref_logps=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2)
+            fin = dict(loss_type="dapo", normalizer=None, max_completion_length=None)
+        elif kind == "dpo":
+            chunks = LC.pair_chunks(B, T, 2 * T if split else B * T)
+            fin = dict(beta=0.1, label_smoothing=0.0)
+        else:
+            chunks = LC.row_chunks(B, T, T if split else B * T)
+            kl = torch.empty((B, 3), dtype=torch.float32, device="meta")
+            fin = dict(desirable=torch.empty((B,), dtype=torch.bool, device="meta"), kl_logps=kl, kl_ref_logps=kl,
+                       kl_mask=torch.empty((B, 3), dtype=torch.bool, device="meta"), z0=None, beta=0.1,
+                       desirable_weight=1.0, undesirable_weight=1.0, clip=clip)
+        LC.run_kernels(kind, h, w, None, y, chunks, need=(True, True, False), ref_logps=f, clip=clip,
+                       temperature=1.0, ignore_index=-100, terms=terms, fin=fin)
 
-    def finalize(shape_name, kind, variant):
+    def finalize(shape_name, kind, variant, labels_view=True):
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
-        y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]  # a labels view
+        if labels_view:  # a labels[:, 1:] view (unaligned) as well as contiguous labels: separate specialisations
+            y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]
         aux = torch.empty((4, *f.shape), dtype=torch.float32, device="meta")
         if kind == "dpo":
             ops.dpo_finalize(f, aux, y, ignore_index=-100, beta=0.1, label_smoothing=0.0)
@@ -195,15 +209,18 @@ def _cases():
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
                 cases.append((f"loss_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: loss_bwd(s, dt, False)))
     for dn in ("bf16", "fp32"):
-        for rows in (True, False):
-            cases.append((f"fused_linear grpo rows={rows} {dn}", True,
-                          lambda dt=DTYPES[dn], r=rows: linear_grpo(dt, r)))
+        for kind, split in itertools.product(("grpo", "dpo", "kto"), (False, True)):
+            cases.append((f"fused_linear {kind} split={split} {dn}", True,
+                          lambda dt=DTYPES[dn], k=kind, sp=split: linear(k, dt, sp)))
     # the [B, T] tail: one program over small fp32 tensors, not a row-streaming kernel, so no 16-byte load rule
     # (B and T are not specialised: the shapes below only change the pointers' and strides' specialisation)
     for sn in ("aligned", "T=1", "odd T, tiny V"):
         for kind, variant in (("dpo", ""), ("kto", ""), ("kto", "kl_rows"), ("kto", "z0"), ("grpo", ""),
                               ("grpo", "weights"), ("grpo", "norm_tensor")):
             cases.append((f"finalize {kind} {variant} {sn}", False, lambda s=sn, k=kind, v=variant: finalize(s, k, v)))
+            if sn == "aligned":
+                cases.append((f"finalize {kind} {variant} {sn} contiguous labels", False,
+                              lambda s=sn, k=kind, v=variant: finalize(s, k, v, False)))
     return cases
 
 

@@ -140,14 +140,15 @@ def test_grad_output_scaling_and_partial_requires_grad():
     torch.testing.assert_close(w2.grad, torch.autograd.grad(rl, w2)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_no_grad_loss_forms_no_gradient(monkeypatch):
+def test_no_grad_loss_forms_no_gradient(path, monkeypatch):
     h, w, b, y, ref, g = _case()
     calls = []
-    real = LC.run
+    real, real_kernels = LC.run, LC.run_kernels
     monkeypatch.setattr(LC, "run", lambda *a, **k: calls.append(k.get("coef")) or real(*a, **k))
+    monkeypatch.setattr(LC, "run_kernels", lambda *a, **k: calls.append(k["need"]) or real_kernels(*a, **k))
     with torch.no_grad():
         loss, m = hk.fused_linear.kto(h, w, y, ref, torch.arange(4) % 2 == 0, bias=b)
-    assert loss.grad_fn is None and calls == [None]
+    assert loss.grad_fn is None and calls == [None if path == "eager" else (False, False, False)]
     rl, _ = R.kto(R.token_logprobs(_logits(h, w, b), y), ref, y != -100, torch.arange(4) % 2 == 0)
     torch.testing.assert_close(loss, rl, atol=1e-6, rtol=1e-6)
 
@@ -218,6 +219,22 @@ def test_fully_masked_batch_and_nan_inputs():
     with torch.no_grad():
         h2[0, 0, 0] = float("nan")
     assert torch.isnan(hk.fused_linear.dpo(h2, w2, y2, ref2)[0])
+
+
+@pytest.mark.parametrize("chunk_bytes", [4, 1 << 20], ids=["tiny-budget", "one-chunk"])
+def test_rows_without_tokens(path, chunk_bytes):
+    """T = 0: the losses of no tokens (DPO log 2, KTO 0.5, GRPO 0) and zero gradients, whatever the budget."""
+    h = torch.randn(4, 0, 3, requires_grad=True)
+    w = torch.randn(7, 3, requires_grad=True)
+    y, ref = torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0)
+    des = torch.tensor([True, False, True, False])
+    for name, args, rargs in (("dpo", (ref,), (ref, y != -100)), ("kto", (ref, des), (ref, y != -100, des)),
+                              ("grpo", (ref, torch.ones(4)), (ref, torch.ones(4), y != -100))):
+        loss, _ = getattr(hk.fused_linear, name)(h, w, y, *args, chunk_bytes=chunk_bytes)
+        want, _ = getattr(R, name)(torch.zeros(4, 0), *rargs)
+        torch.testing.assert_close(loss, want, msg=name)
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        assert dh.shape == h.shape and not dw.any(), name
 
 
 @pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"),

@@ -24,6 +24,21 @@ def _worker(rank, world, out):
     for level in (hk.reference, hk.losses):
         loss, m = level.kto(logps, ref, mask, des, *_kl_rows(rank), beta=0.5)
         res.append((loss.item(), m["kl"].item()))
+    # the kernel paths (Triton interpreter under the suite's TRITON_INTERPRET=1, inherited by the spawned ranks):
+    # logits and fused linear, fp32, against the reference on the same log-probs
+    g = torch.Generator().manual_seed(rank)
+    h = torch.randn(2, 3, 4, generator=g)
+    w = torch.randn(11, 4, generator=g)
+    y = torch.randint(0, 11, (2, 3), generator=g)
+    lp = hk.reference.token_logprobs(h @ w.T, y)
+    ref32 = lp + 0.3 * torch.randn(2, 3, generator=g)
+    des2 = torch.tensor([rank == 0, True])
+    kl = tuple(t.float() if t.is_floating_point() else t for t in _kl_rows(rank))
+    want = hk.reference.kto(lp, ref32, y != -100, des2, *kl, beta=0.5)
+    for fn, x in ((hk.fused.kto, (h @ w.T,)), (hk.fused_linear.kto, (h, w))):
+        loss, m = fn(*x, y, ref32, des2, *kl, beta=0.5, chunk_bytes=3 * 11 * 4) if fn is hk.fused_linear.kto \
+            else fn(*x, y, ref32, des2, *kl, beta=0.5)
+        res.append((loss.item(), m["kl"].item(), want[0].item(), want[1]["kl"].item()))
     out[rank] = res
 
 
@@ -33,7 +48,10 @@ def test_kto_kl_baseline_all_reduced_world_size_2():
         run(_worker, out)
         out = dict(out)
     for rank in (0, 1):
-        for loss, kl in out[rank]:
+        for loss, kl, want_loss, want_kl in out[rank][2:]:  # kernel paths (fused, fused_linear in two chunks)
+            assert abs(kl - 0.75) < 1e-6 and abs(want_kl - 0.75) < 1e-6
+            assert abs(loss - want_loss) < 1e-6
+        for loss, kl in out[rank][:2]:
             assert abs(kl - 0.75) < 1e-12
             s = 0.1  # clipped sum of (logps - ref) = 0.2 - 0.1
             sig = torch.sigmoid(torch.tensor(0.5 * ((s - 0.75) if rank == 0 else (0.75 - s)), dtype=torch.float64))

@@ -5,8 +5,9 @@ A ``TorchDispatchMode`` sees every aten op the call dispatches (on CUDA each non
 DESIGN.md's budget: a logits-level loss forward + backward launches at most 8 kernels, a fused-linear loss at most
 3 per chunk + 6. ``token_logprobs`` and the logits-level losses meet it (issue 16: the row kernel, one finalize
 kernel for the ``[B, T]`` tail, one backward kernel; the count includes the ``ones_like`` of autograd's seed
-gradient). The fused-linear losses do not yet: for them this test is a ceiling at today's count, so that a change
-can only lower it, and the printed table is the to-do list.
+gradient). The fused-linear losses meet it in one chunk (9: three GEMMs, three Triton launches, three in the backward);
+with more chunks they do not (three GEMMs a chunk already; the rest would have to run in a GEMM's epilogue): for
+those this test is a ceiling at today's count, so that a change can only lower it.
 """
 import collections
 
@@ -97,9 +98,11 @@ def _calls():
     nv = dict(validate=False)
     one_chunk = dict(chunk_bytes=1 << 20, **nv)
     four_chunks = dict(chunk_bytes=6 * 50 * 4, **nv)  # one row (6 tokens of V = 50 fp32 logits) a chunk
+    two_rows = dict(chunk_bytes=2 * 6 * 50 * 4, **nv)  # one DPO pair a chunk
     kl_rows = (ref[:2], ref[:2] - 0.1, y[:2] != -100)  # made here: the call's own count is what is measured
-    # (call, inputs, budget, ceiling: today's count where the budget is not met yet, else None; one chunk for the
-    # fused-linear losses). Before issue 16: token_logprobs 5, grpo 29, grpo(grad_in_forward) 33, dpo 46, kto 84.
+    # (call, inputs, budget, ceiling: today's count where the budget is not met yet, else None). Before issue 16:
+    # token_logprobs 5, grpo 29, grpo(grad_in_forward) 33, dpo 46, kto 84; fused linear at one chunk: grpo 145,
+    # dpo 112, kto 138.
     return {
         "token_logprobs": (lambda: hk.token_logprobs(x, y, **nv).sum(), x, 8, None),
         "fused.grpo": (lambda: hk.fused.grpo(x, y, ref, adv, beta=0.04, **nv)[0], x, 8, None),
@@ -112,8 +115,18 @@ def _calls():
         # budget from 2 chunks on (3 a chunk would need the row kernel inside a GEMM's epilogue)
         "fused_linear.grpo(4 chunks)": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **four_chunks)[0], (h, w),
                                         3 * 4 + 6, 4 * 4 + 5),
-        "fused_linear.dpo": (lambda: hk.fused_linear.dpo(h, w, y, ref, **one_chunk)[0], (h, w), 3 + 6, 112),
-        "fused_linear.kto": (lambda: hk.fused_linear.kto(h, w, y, ref, des, **one_chunk)[0], (h, w), 3 + 6, 138),
+        # one chunk: GEMM, token-terms kernel, finalize kernel (loss, metrics and w at once), backward kernel in
+        # place, dh and dW GEMMs; + 3 in the backward (autograd's seed, dh and dW scaled by grad_output)
+        "fused_linear.dpo": (lambda: hk.fused_linear.dpo(h, w, y, ref, **one_chunk)[0], (h, w), 3 + 6, None),
+        "fused_linear.kto": (lambda: hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **one_chunk)[0], (h, w),
+                             3 + 6, None),
+        # more chunks: 6 a chunk (the finalize over the chunk's rows gives their w) + 4 (the whole batch's finalize
+        # for the loss and the metrics); a DPO chunk of some of the pairs has two token ranges, each with its own
+        # lm_head, dh and dW GEMMs: 9 a chunk
+        "fused_linear.dpo(2 chunks)": (lambda: hk.fused_linear.dpo(h, w, y, ref, **two_rows)[0], (h, w), 3 * 2 + 6,
+                                       9 * 2 + 4),
+        "fused_linear.kto(4 chunks)": (lambda: hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **four_chunks)[0],
+                                       (h, w), 3 * 4 + 6, 6 * 4 + 4),
     }
 
 

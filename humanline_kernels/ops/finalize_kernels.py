@@ -24,12 +24,12 @@ from ._jit import COMPILED_DEVICES, jit, launcher
 from . import GRPO_LOSS_TYPES, METRICS
 from .logprobs import device_guard
 
-def tiles(t: torch.Tensor) -> tuple[int, int, int]:
-    """``(BLOCK_B, BLOCK_T, num_warps)``: 512-element tiles on GPU (2 elements a thread: 1024 made the GRPO kernel
-    spill under triton 3.6, 2048 under 3.9; the compile gate checks); 2 x 4 in
-    the interpreter, so that the small test shapes cross tile boundaries in both dimensions."""
+def tiles(t: torch.Tensor, block_t: int = 128) -> tuple[int, int, int]:
+    """``(BLOCK_B, BLOCK_T, num_warps)``: ``4 x block_t`` tiles on GPU, 512 elements by default (2 a thread: 1024 made
+    the GRPO kernel spill under triton 3.6, 2048 under 3.9; the compile gate checks); 2 x 4 in the interpreter, so
+    that the small test shapes cross tile boundaries in both dimensions."""
     if t.device.type in COMPILED_DEVICES:
-        return 4, 128, 8
+        return 4, block_t, 8
     return 2, 4, 1
 
 
@@ -76,13 +76,15 @@ def _frac(num, den):
     return tl.where(den > 0, num / tl.maximum(den, 1.0), 1.0)
 
 
-@jit(do_not_specialize=["P", "T"])
-def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, ignore_index, beta,
-                         label_smoothing, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+@jit(do_not_specialize=["P", "T", "J0", "J1"])
+def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, J0, J1, ignore_index,
+                         beta, label_smoothing, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     """DPO over pairs ``(j, P + j)``: ``s = sum_t m val``, ``h_j = beta (s_j - s_{P+j})``,
     ``loss = mean_j[-(1 - ls) logsig(h_j) - ls logsig(-h_j)]``;
     ``w_j = -w_{P+j} = beta / P * (-(1 - ls) sig(-h_j) + ls sig(h_j))``; metrics: means of ``rc = beta s_j``,
-    ``rr = beta s_{P+j}``, ``rc - rr``, ``[rc > rr]``, and ``unclipped_frac = sum m inside / sum m``."""
+    ``rr = beta s_{P+j}``, ``rc - rr``, ``[rc > rr]``, and ``unclipped_frac = sum m inside / sum m``.
+    Only the pairs ``J0 <= j < J1`` are read and get ``w`` (a fused-linear chunk; sums and means still over
+    ``P``): the whole batch is ``(0, P)``."""
     acc_loss = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_rc = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_rr = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -90,9 +92,9 @@ def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr,
     acc_win = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_in = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_n = tl.zeros([BLOCK_B], dtype=tl.float32)
-    for j0 in range(0, P, BLOCK_B):
+    for j0 in range(J0, J1, BLOCK_B):
         j = j0 + tl.arange(0, BLOCK_B)
-        jm = j < P
+        jm = j < J1
         s_c, in_c, n_c = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j, jm, T, ignore_index, BLOCK_B, BLOCK_T)
         s_r, in_r, n_r = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j + P, jm, T, ignore_index, BLOCK_B, BLOCK_T)
         h = beta * (s_c - s_r)
@@ -118,16 +120,17 @@ def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr,
     tl.store(met_ptr + 4, _frac(tl.sum(acc_in, 0), tl.sum(acc_n, 0)))
 
 
-@jit(do_not_specialize=["B", "T", "BK", "TK"])
+@jit(do_not_specialize=["B", "T", "BK", "TK", "B0", "B1"])
 def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, klref_ptr, klm_ptr, z0_ptr,
-                         loss_ptr, met_ptr, w_ptr, B, T, BK, TK, ignore_index, beta, lam_d, lam_u, clip_on, clip_lo,
-                         clip_hi, z0_given, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+                         loss_ptr, met_ptr, w_ptr, B, T, BK, TK, B0, B1, ignore_index, beta, lam_d, lam_u, clip_on,
+                         clip_lo, clip_hi, z0_given, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     """KTO: KL rows (contiguous ``[BK, TK]``) ``s_kl = sum_t m_kl clamp(kl - kl_ref)``;
     ``z0 = max(0, sum s_kl / #{s_kl != 0})`` (0 without such rows; read from ``z0_ptr`` when ``z0_given``, e.g.
     all-reduced across ranks). Rows: ``s = sum_t m val``, ``x = beta (s - z0)``; desirable
     ``lam_d (1 - sig(x))``, undesirable ``lam_u (1 - sig(-x))``; ``loss = mean_i``;
     ``w_i = beta sig(x) sig(-x) (-lam_d or lam_u) / B``. Metrics: ``z0``, mean of ``beta s`` over desirable and
-    over undesirable rows (0 when none), ``unclipped_frac``."""
+    over undesirable rows (0 when none), ``unclipped_frac``. Only the rows ``B0 <= b < B1`` are read and get ``w``
+    (a fused-linear chunk; the loss still divides by ``B``): the whole batch is ``(0, B)``."""
     acc_tot = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_cnt = tl.zeros([BLOCK_B], dtype=tl.float32)
     for k0 in range(0, BK, BLOCK_B):
@@ -157,9 +160,9 @@ def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, k
     acc_nu = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_in = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_n = tl.zeros([BLOCK_B], dtype=tl.float32)
-    for b0 in range(0, B, BLOCK_B):
+    for b0 in range(B0, B1, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
-        bm = b < B
+        bm = b < B1
         s, n_in, n = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, b, bm, T, ignore_index, BLOCK_B, BLOCK_T)
         d_raw = tl.load(des_ptr + b, mask=bm, other=0)
         des = bm & (d_raw != 0)
@@ -194,6 +197,7 @@ def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_pt
     ``1 / (max(n_b, 1) max(E, 1))``, ``dr_scale``. Metrics over ``max(n, 1)``: ``unclipped_frac``, ``kl`` (sum k3),
     ``clip_frac_low``/``high``. Without ``TERMS`` only ``w`` is written (from the labels: the gradient-in-forward
     path needs it before the row kernel runs; loss and metrics are 0 then)."""
+    plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
     acc_sum = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_mean = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_rows = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -215,9 +219,9 @@ def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_pt
             if TERMS:
                 s += tl.sum(tl.where(m, tl.load(val_ptr + off, mask=m, other=0.0), 0.0), 1)
                 acc_in += tl.sum(tl.where(m, tl.load(aux_ptr + off, mask=m, other=0.0), 0.0), 1)
-                acc_low += tl.sum(tl.where(m, tl.load(aux_ptr + N + off, mask=m, other=0.0), 0.0), 1)
-                acc_high += tl.sum(tl.where(m, tl.load(aux_ptr + 2 * N + off, mask=m, other=0.0), 0.0), 1)
-                acc_k3 += tl.sum(tl.where(m, tl.load(aux_ptr + 3 * N + off, mask=m, other=0.0), 0.0), 1)
+                acc_low += tl.sum(tl.where(m, tl.load(aux_ptr + plane + off, mask=m, other=0.0), 0.0), 1)
+                acc_high += tl.sum(tl.where(m, tl.load(aux_ptr + 2 * plane + off, mask=m, other=0.0), 0.0), 1)
+                acc_k3 += tl.sum(tl.where(m, tl.load(aux_ptr + 3 * plane + off, mask=m, other=0.0), 0.0), 1)
         acc_sum += s
         acc_mean += s / tl.maximum(n, 1.0)
         acc_rows += tl.where(n > 0, 1.0, 0.0)
@@ -268,22 +272,26 @@ def _outputs(ref, B, K):
     return torch.empty((), **f32), torch.empty((K,), **f32), torch.empty((B,), **f32)
 
 
-def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing):
-    """``(loss, metrics [5], w [2P])`` of DPO from the row kernel's ``val``/``aux`` (see the kernel)."""
+def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing, span=None):
+    """``(loss, metrics [5], w [2P])`` of DPO from the row kernel's ``val``/``aux`` (see the kernel). ``span =
+    (j0, j1)``: only those pairs (a fused-linear chunk; ``w`` of the other rows is left unwritten, loss and metrics
+    are then partial)."""
     B, T = labels.shape
     val, aux = val.contiguous(), aux.contiguous()  # read with unit strides (free when already contiguous)
     loss, met, w = _outputs(val, B, len(METRICS["dpo"]))
+    j0, j1 = (0, B // 2) if span is None else span
     bb, bt, warps = tiles(val)
     with device_guard(val):
         launcher(_dpo_finalize_kernel, val)[(1,)](
-            val, aux, labels, labels.stride(0), labels.stride(1), loss, met, w, B // 2, T, ignore_index,
+            val, aux, labels, labels.stride(0), labels.stride(1), loss, met, w, B // 2, T, j0, j1, ignore_index,
             float(beta), float(label_smoothing), BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)
     return loss, met, w
 
 
 def kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z0, *, ignore_index, beta,
-                 desirable_weight, undesirable_weight, clip):
-    """``(loss, metrics [4], w [B])`` of KTO; the KL rows are ``kl_*`` (or None), or ``z0`` is given."""
+                 desirable_weight, undesirable_weight, clip, span=None):
+    """``(loss, metrics [4], w [B])`` of KTO; the KL rows are ``kl_*`` (or None), or ``z0`` is given. ``span =
+    (b0, b1)``: only those rows (a fused-linear chunk; partial loss and metrics, ``w`` of the others unwritten)."""
     B, T = labels.shape
     # the kernel reads these with unit strides; validation accepts strided views (free when already contiguous)
     val, aux, desirable = val.contiguous(), aux.contiguous(), desirable.contiguous()
@@ -293,11 +301,13 @@ def kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z
     klr = kl_ref_logps.contiguous() if has_kl else val
     klm = kl_mask.contiguous() if has_kl else desirable  # a bool dummy: no variant of its own
     BK, TK = kl.shape if has_kl else (0, 0)
-    bb, bt, warps = tiles(val)
+    b0, b1 = (0, B) if span is None else span
+    # 256-element tiles: at 512, triton 3.6 spilled 4 bytes for sm_80 with contiguous labels and KL rows
+    bb, bt, warps = tiles(val, 64)
     with device_guard(val):
         launcher(_kto_finalize_kernel, val)[(1,)](
             val, aux, labels, labels.stride(0), labels.stride(1), desirable, kl, klr, klm,
-            val if z0 is None else z0.reshape(1), loss, met, w, B, T, BK, TK, ignore_index, float(beta),
+            val if z0 is None else z0.reshape(1), loss, met, w, B, T, BK, TK, b0, b1, ignore_index, float(beta),
             float(desirable_weight), float(undesirable_weight), int(clip is not None),
             float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0, int(z0 is not None),
             BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)

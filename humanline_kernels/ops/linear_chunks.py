@@ -11,6 +11,8 @@ A *chunk* is a tuple of flat token ranges ``((s0, e0), (s1, e1), ...)`` of ``hid
 
 So the gradient costs two GEMMs per chunk and the logits GEMM is never recomputed: 6 N D V flops in all. At most
 one chunk of logits exists at any time (the buffer), plus the transient upcasts inside the eager fallback.
+:func:`run` does this with a ``coef`` callback (plain log-probs, and the losses off the kernel path);
+:func:`run_kernels` is the losses' kernel path, steps 2-3 by the row and finalize kernels of the logits path.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 from .. import ops as _ops  # looked up at call time: dispatch (Triton / eager) lives in ops/__init__
 
-__all__ = ["token_chunks", "row_chunks", "pair_chunks", "grpo_chunks", "max_rows_for", "run", "run_grpo",
+__all__ = ["token_chunks", "row_chunks", "pair_chunks", "grpo_chunks", "max_rows_for", "run", "run_kernels",
            "new_buffer"]
 
 
@@ -34,14 +36,18 @@ def token_chunks(N, max_rows):
 
 def row_chunks(B, T, max_rows):
     """Whole rows (KTO: a row's coefficient needs its full sum). One row at least, even above the budget."""
-    k = max(1, max_rows // max(T, 1))
+    if T == 0:  # no tokens: one empty chunk
+        return [((0, 0),)]
+    k = max(1, max_rows // T)
     return [((r * T, min(B, r + k) * T),) for r in range(0, B, k)]
 
 
 def pair_chunks(B, T, max_rows):
     """DPO pairs: chosen rows ``j0..j1`` and their rejected partners ``P+j0..P+j1`` in the same chunk."""
     P = B // 2
-    k = max(1, max_rows // max(2 * T, 1))
+    k = max(1, max_rows // (2 * T)) if T else P
+    if k >= P:  # every pair (or no tokens): one contiguous range
+        return [((0, B * T),)]
     return [((j * T, min(P, j + k) * T), ((P + j) * T, (P + min(P, j + k)) * T)) for j in range(0, P, k)]
 
 
@@ -127,13 +133,10 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
     buf = new_buffer(max_n * V, cdt, dev)
     wt = weight.t()
     for i, segs in enumerate(chunks):
-        h_c, y_c = _gather(h2, segs), _gather(labels, segs)
-        n = h_c.shape[0]
+        y_c = _gather(labels, segs)
+        n = y_c.shape[0]
         z = buf[:n * V].view(n, V)
-        if bias is None:
-            torch.mm(h_c, wt, out=z)
-        else:
-            torch.addmm(bias, h_c, wt, out=z)
+        _lm_head(h2, wt, bias, segs, z)
         z3, y3 = z.view(1, n, V), y_c.view(1, n)
         if given_lse:
             lse_c = _gather(lse, segs).view(1, n)
@@ -147,15 +150,7 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
             continue
         g = coef(segs, None if given_lse else lp_c.view(n))
         _ops.logprobs_bwd(z3, y3, lse_c, g.view(1, n).to(acc), temperature, ignore_index, out=z3)
-        if dh is not None:
-            if len(segs) == 1:
-                torch.mm(z, weight, out=dh[segs[0][0]:segs[0][1]])
-            else:
-                _scatter(dh, segs, torch.mm(z, weight))
-        if dw is not None:
-            _addmm_f32(dw, z.t(), h_c, beta=0 if i == 0 else 1)
-        if db is not None:
-            db += z.sum(0, dtype=acc)
+        _grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
     return logp, lse, ent, dh, dw, db
 
 
@@ -170,70 +165,96 @@ def _alloc_grads(h2, weight, bias, chunks, need):
     return dh, dw, db
 
 
-def run_grpo(h2, weight, bias, labels, chunks, *, need, ref_logps, kl_ref_logps, advantages, clip, temperature,
-             ignore_index, beta, epsilon_low, epsilon_high, loss_type, normalizer, max_completion_length):
-    """GRPO on the kernel path: ``(loss, metrics, (dh, dW, db))``, four launches a chunk.
+def _lm_head(h2, wt, bias, segs, z):
+    """``z = h_c W^T (+ b)`` for the chunk's token ranges, one GEMM a range (into consecutive rows of ``z``)."""
+    o = 0
+    for s, e in segs:
+        if bias is None:
+            torch.mm(h2[s:e], wt, out=z[o:o + e - s])
+        else:
+            torch.addmm(bias, h2[s:e], wt, out=z[o:o + e - s])
+        o += e - s
 
-    Before the chunks, the GRPO finalize kernel gives the row weights ``w_b = d loss / d L`` (they depend on the
-    mask only). Per chunk: the lm_head GEMM into the buffer; the token-terms kernel, which writes the chunk's
-    ``val``, ``aux`` into whole-batch buffers and, when a gradient is wanted, ``dL/dz`` in place into the buffer
-    (``grpo_fwd_grad``); then the ``dh`` and ``dW`` GEMMs (``db`` a column sum). After them one finalize launch
-    for the loss and the metrics. Chunks of whole rows (:func:`grpo_chunks`) run as ``[rows, T, V]``; a token
-    range inside a row (rows longer than the buffer) runs as ``n`` rows of one token, with the per-row inputs
-    (advantage, weight) expanded to tokens first (two copies a call).
+
+def _grads(h2, weight, segs, z, dh, dw, db, first):
+    """``dh[c] = dz W``, ``dW += dz^T h_c``, ``db += sum_rows dz`` for the chunk whose logits gradient is in ``z``."""
+    o = 0
+    for i, (s, e) in enumerate(segs):
+        dz = z[o:o + e - s]
+        if dh is not None:
+            torch.mm(dz, weight, out=dh[s:e])
+        if dw is not None:
+            _addmm_f32(dw, dz.t(), h2[s:e], beta=0 if first and i == 0 else 1)
+        o += e - s
+    if db is not None:
+        db += z.sum(0, dtype=db.dtype)
+
+
+def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip, temperature, ignore_index,
+                terms, fin):
+    """A loss on the kernel path: ``(loss, metrics, (dh, dW, db))``.
+
+    ``kind`` is "grpo", "dpo" or "kto"; ``terms`` the row kernel's GRPO keywords (``advantages``,
+    ``kl_ref_logps``, ``beta``, ``epsilon_low``, ``epsilon_high``; empty for DPO/KTO), ``fin`` the finalize op's
+    keywords. Per-token results (``val``, ``coef``, ``lse``, ``aux``) live in whole-batch ``[B, T]`` buffers; each
+    chunk's logits live in one reused ``[n, V]`` buffer that the row kernels address through the chunk's token
+    ranges (:func:`.logprobs.row_args`). Per chunk:
+
+    * GRPO (row weights ``w_b = d loss / d val`` from the labels, one finalize launch before the chunks): the lm_head
+      GEMM; the token-terms kernel, which also writes ``dL/dz`` in place (``GRAD``); the ``dh`` and ``dW`` GEMMs.
+    * DPO / KTO (``w`` of a pair or row needs its whole sum, known once the chunk's row kernel ran): the GEMM; the
+      token-terms kernel; the finalize kernel over the chunk's pairs / rows (``span``), giving their ``w``; the
+      backward kernel in place (``dL/dz = w_b coef (onehot - softmax) / T``); the ``dh`` and ``dW`` GEMMs.
+
+    Then one finalize launch over the whole batch gives the loss and the metrics (skipped for DPO / KTO in one
+    chunk: the chunk's finalize was the whole batch's). A DPO chunk of some of the pairs has two token ranges
+    (chosen rows, rejected partners): its GEMMs run per range. KTO: the first chunk's finalize finds the baseline
+    ``z0`` from the KL rows (its ``kl`` metric); later launches read it from there.
     """
+    from . import finalize_kernels as FK, logprobs as LP, losses_kernels as LK
     B, T = labels.shape
-    N, V = B * T, weight.shape[0]
+    V = weight.shape[0]
     dev = h2.device
     grad = any(need)
-    labels_bt = labels
     f32 = dict(dtype=torch.float32, device=dev)
     val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
     aux = torch.empty((4, B, T), **f32)
     dh, dw, db = _alloc_grads(h2, weight, bias, chunks, need) if grad else (None, None, None)
-    fin = dict(ignore_index=ignore_index, loss_type=loss_type, normalizer=normalizer,
-               max_completion_length=max_completion_length)
-    adv = advantages.to(torch.float32)
-    w = _ops.grpo_finalize(None, None, labels, **fin)[2] if grad else None
-    rows = all(s % T == 0 and e % T == 0 for (s, e), in chunks)
-    if rows:
-        def per_row(x, s, e):
-            return x[s // T:e // T]
-    else:  # [B, T] tensors as [N, 1], per-row ones expanded to [N]
-        labels, ref_logps, val, coef, lse = (x.reshape(N, 1) for x in (labels, ref_logps, val, coef, lse))
-        kl_ref_logps = None if kl_ref_logps is None else kl_ref_logps.reshape(N, 1)
-        aux_t = aux.view(4, N, 1)
-        adv = adv.unsqueeze(1).expand(B, T).reshape(N)
-        w = None if w is None else w.unsqueeze(1).expand(B, T).reshape(N)
-
-        def per_row(x, s, e):
-            return x[s:e]
-    buf = new_buffer(max((e - s for (s, e), in chunks), default=0) * V, h2.dtype, dev)
+    fin = dict(fin, ignore_index=ignore_index)
+    finalize = getattr(FK, f"{kind}_finalize")
+    grpo = kind == "grpo"
+    w = FK.grpo_finalize(None, None, labels, **fin)[2] if grpo and grad else None
+    mode = _ops.MODE_GRPO if grpo else _ops.MODE_RATIO
+    buf = new_buffer(max((sum(e - s for s, e in segs) for segs in chunks), default=0) * V, h2.dtype, dev)
     wt = weight.t()
-    for i, ((s, e),) in enumerate(chunks):
-        n = e - s
-        z = buf[:n * V].view(n, V)
-        if bias is None:
-            torch.mm(h2[s:e], wt, out=z)
-        else:
-            torch.addmm(bias, h2[s:e], wt, out=z)
-        z3 = z.view(n // T, T, V) if rows else z.view(n, 1, V)
-        out = (per_row(val, s, e), per_row(coef, s, e), per_row(lse, s, e),
-               aux[:, s // T:e // T] if rows else aux_t[:, s:e])
-        _ops.token_terms_fwd(z3, per_row(labels, s, e), per_row(ref_logps, s, e), mode=_ops.MODE_GRPO, clip=clip,
-                             temperature=temperature, ignore_index=ignore_index,
-                             kl_ref_logps=None if kl_ref_logps is None else per_row(kl_ref_logps, s, e),
-                             advantages=per_row(adv, s, e), beta=beta, epsilon_low=epsilon_low,
-                             epsilon_high=epsilon_high, row_weight=None if w is None else per_row(w, s, e),
-                             grad_out=z3 if grad else None, out=out)
-        if dh is not None:
-            torch.mm(z, weight, out=dh[s:e])
-        if dw is not None:
-            _addmm_f32(dw, z.t(), h2[s:e], beta=0 if i == 0 else 1)
-        if db is not None:
-            db += z.sum(0, dtype=db.dtype)
-    loss, met, _ = _ops.grpo_finalize(val.view(B, T), aux, labels_bt, **fin)
-    return loss, dict(zip(_ops.METRICS["grpo"], met.unbind(0))), (dh, dw, db)
+    done = None  # (loss, metrics, w) of a finalize over the whole batch
+    for i, segs in enumerate(chunks):
+        z = buf[:sum(e - s for s, e in segs) * V].view(-1, V)
+        _lm_head(h2, wt, bias, segs, z)
+        LK.token_terms_fwd(z, labels, ref_logps, mode=mode, clip=clip, temperature=temperature,
+                           ignore_index=ignore_index, row_weight=w, grad_out=z if grpo and grad else None,
+                           out=(val, coef, lse, aux), segs=segs, **terms)
+        if not grad:
+            continue
+        if not grpo:
+            whole = len(chunks) == 1
+            res = finalize(val, aux, labels, **fin, span=None if whole else _span(kind, segs, T))
+            if kind == "kto" and fin.get("z0") is None:  # the baseline found once, by the first chunk's launch
+                fin.update(z0=res[1][0], kl_logps=None, kl_ref_logps=None, kl_mask=None)
+            done = res if whole else None
+            LP.logprobs_bwd(z, labels, lse, coef, temperature, ignore_index, out=z, row_weight=res[2], segs=segs)
+        _grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
+    loss, met, _ = done if done is not None else finalize(val, aux, labels, **fin)
+    return loss, dict(zip(_ops.METRICS[kind], met.unbind(0))), (dh, dw, db)
+
+
+def _span(kind, segs, T):
+    """The pairs (DPO) or rows (KTO) of a chunk, for its finalize launch."""
+    (s, e), *rest = segs
+    if kind == "dpo":  # chosen rows first; merged with their partners when the chunk holds every pair
+        n = e - s + sum(e1 - s1 for s1, e1 in rest)
+        return s // T, s // T + n // (2 * T)
+    return s // T, e // T
 
 
 def grpo_chunks(B, T, max_rows):

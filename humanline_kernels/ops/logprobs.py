@@ -89,11 +89,22 @@ def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
 
 
 @jit
-def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index, BLOCK_V: tl.constexpr,
+def _token(r, n0, off0, off1):
+    """Token ``q`` (int64) of the ``[B, T]`` inputs and outputs for row ``r`` of the logits: ``r + off0`` for the
+    first ``n0`` rows, ``r + off1`` after them. The logits-level ops pass ``(N, 0, 0)`` (``q = r``); a fused-linear
+    chunk (logits in a buffer of its own) passes its token ranges, at most two (a DPO chunk: chosen rows, then
+    their rejected partners)."""
+    r64 = r.to(tl.int64)
+    return r64 + tl.where(r64 < n0, off0, off1)
+
+
+@jit
+def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t, ignore_index, BLOCK_V: tl.constexpr,
               ENTROPY: tl.constexpr):
-    """Row ``r``'s ``(row pointer, label, valid, lse, sum p*z, logp)``; ``logp = z_y - lse``, 0 where ignored."""
+    """Logits row ``r`` (label of token ``q``): ``(row pointer, label, valid, lse, sum p*z, logp)``;
+    ``logp = z_y - lse``, 0 where ignored."""
     base = _row_base(x_ptr, r, T, x_sb, x_st)
-    y = tl.load(_row_base(y_ptr, r, T, y_sb, y_st))
+    y = tl.load(_row_base(y_ptr, q, T, y_sb, y_st))
     valid = y != ignore_index
     lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
     zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32) * inv_t
@@ -104,29 +115,34 @@ def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index
 def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, T, V, inv_t,
                          ignore_index, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
     r = tl.program_id(0)
-    _base, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index,
-                                                BLOCK_V, ENTROPY)
+    _base, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, r, T, V, inv_t,
+                                                ignore_index, BLOCK_V, ENTROPY)
     tl.store(logp_ptr + r, logp)
     tl.store(lse_ptr + r, lse)
     if ENTROPY:
         tl.store(ent_ptr + r, tl.where(valid, lse - pz, 0.0))
 
 
-@jit
+@jit(do_not_specialize=["n0", "off0", "off1"])
 def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, go_ptr, o_ptr, o_sb, o_st, T,
-                         V, inv_t, ignore_index, BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr):
-    """``g = g[r]``, or with ``ROW_WEIGHT`` (the fused losses) ``g = go * w[b] * g[r]``: ``g[r]`` the token's
-    ``coef``, ``w[b]`` its row's ``d loss / d val`` and ``go`` the loss's upstream gradient, all read on the device
-    (the loss backward is this one launch)."""
+                         V, inv_t, ignore_index, n0, off0, off1, has_go, BLOCK_V: tl.constexpr,
+                         ROW_WEIGHT: tl.constexpr):
+    """Logits row ``r``, token ``q`` (:func:`_token`): ``g = g[q]``, or with ``ROW_WEIGHT`` (the fused losses)
+    ``g = go * w[b] * g[q]``: ``g[q]`` the token's ``coef``, ``w[b]`` its row's ``d loss / d val`` and ``go`` the
+    loss's upstream gradient (1 when ``has_go == 0``), all read on the device (the loss backward is this one
+    launch)."""
     r = tl.program_id(0)
+    q = _token(r, n0, off0, off1)
     base = _row_base(x_ptr, r, T, x_sb, x_st)
     out_base = _row_base(o_ptr, r, T, o_sb, o_st)
-    y = tl.load(_row_base(y_ptr, r, T, y_sb, y_st))
+    y = tl.load(_row_base(y_ptr, q, T, y_sb, y_st))
     if y != ignore_index:
-        g = tl.load(g_ptr + r).to(tl.float32)
+        g = tl.load(g_ptr + q).to(tl.float32)
         if ROW_WEIGHT:
-            g = g * tl.load(w_ptr + r // T) * tl.load(go_ptr).to(tl.float32)
-        _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + r), g, inv_t, BLOCK_V)
+            g = g * tl.load(w_ptr + q // T)
+            if has_go != 0:
+                g = g * tl.load(go_ptr).to(tl.float32)
+        _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + q), g, inv_t, BLOCK_V)
     else:
         _row_zero(out_base, V, BLOCK_V)
 
@@ -161,26 +177,54 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
     return logp, lse, ent
 
 
+def chunk_rows(segs):
+    """``(n, n0, off0, off1)`` for :func:`_token` from a fused-linear chunk's token ranges ``((s0, e0), [(s1, e1)])``:
+    the chunk's ``n`` logits rows are the tokens ``s0..e0`` followed by ``s1..e1``."""
+    (s0, e0), *rest = segs
+    n0 = e0 - s0
+    if not rest:
+        return n0, n0, s0, s0
+    (s1, e1), = rest
+    return n0 + e1 - s1, n0, s0, s1 - n0
+
+
+def row_args(logits, labels, segs):
+    """Launch geometry shared by the row kernels: ``(grid, T, V, x_sb, x_st, n0, off0, off1)``.
+
+    Without ``segs``, ``logits [B, T, V]`` and ``labels [B, T]`` match row for row. With ``segs``, ``logits`` is a
+    fused-linear chunk's ``[n, V]`` buffer (rows ``stride(0)`` apart) and ``labels`` (and every other ``[B, T]``
+    tensor) is the whole batch's: row ``r`` of the buffer is token :func:`_token` ``(r, n0, off0, off1)``; the
+    buffer's row ``r`` is addressed as ``(r // T) * (T * stride) + (r % T) * stride`` by the same code."""
+    if segs is None:
+        B, T, V = logits.shape
+        return B * T, T, V, logits.stride(0), logits.stride(1), B * T, 0, 0
+    n, n0, off0, off1 = chunk_rows(segs)
+    T, V, st = labels.shape[1], logits.shape[-1], logits.stride(0)
+    return n, T, V, T * st, st, n0, off0, off1
+
+
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
-                 grad_loss=None):
+                 grad_loss=None, segs=None):
     """Triton version of :func:`humanline_kernels.ops.eager.logprobs_bwd`; ``out`` may be ``logits`` itself.
-    With ``row_weight [B]`` and ``grad_loss`` (0-d) the per-token gradient is ``grad_loss * row_weight[b] *
-    grad_logp[b, t]``."""
-    B, T, V = logits.shape
+    With ``row_weight [B]`` the per-token gradient is ``row_weight[b] * grad_logp[b, t]``, times ``grad_loss``
+    (0-d) when given. ``segs``: ``logits`` and ``out`` are a fused-linear chunk's ``[n, V]`` buffer, the other
+    tensors the whole batch's (see :func:`row_args`)."""
+    grid, T, V, x_sb, x_st, n0, off0, off1 = row_args(logits, labels, segs)
     if out is None:
-        out = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
-    if B * T == 0:
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if grid == 0:
         return out
+    o_sb, o_st = (out.stride(0), out.stride(1)) if segs is None else (T * out.stride(0), out.stride(0))
     block, warps = block_config(logits)
-    g = grad_logp.reshape(B, T).contiguous()
+    g = grad_logp.reshape(labels.shape).contiguous()
     weighted = row_weight is not None
     w = row_weight.contiguous() if weighted else g
-    go = grad_loss.reshape(1) if weighted else g
+    go = grad_loss.reshape(1) if grad_loss is not None else g
     with device_guard(logits):
-        launcher(_logprobs_bwd_kernel, logits)[(B * T,)](
-            logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1),
-            lse.contiguous(), g, w, go, out, out.stride(0), out.stride(1), T, V, 1.0 / temperature, ignore_index,
-            BLOCK_V=block, ROW_WEIGHT=weighted, num_warps=warps)
+        launcher(_logprobs_bwd_kernel, logits)[(grid,)](
+            logits, x_sb, x_st, labels, labels.stride(0), labels.stride(1), lse.contiguous(), g, w, go, out, o_sb,
+            o_st, T, V, 1.0 / temperature, ignore_index, n0, off0, off1, int(grad_loss is not None), BLOCK_V=block,
+            ROW_WEIGHT=weighted, num_warps=warps)
     return out
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._jit import jit, launcher
 
-from .logprobs import _row_base, _row_grad_store, _row_logp, _row_zero, block_config, device_guard
+from .logprobs import _row_base, _row_grad_store, _row_logp, _row_zero, _token, block_config, device_guard, row_args
 
 MODE_RATIO, MODE_GRPO = 1, 2
 
@@ -36,15 +36,17 @@ def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
 
 
-@jit
+@jit(do_not_specialize=["N", "n0", "off0", "off1"])
 def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, w_ptr, g_ptr, g_sb,
                         g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, N, T, V, inv_t, ignore_index, clip_lo, clip_hi,
-                        rho_lo, rho_hi, beta, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr,
-                        HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
-    r = tl.program_id(0)
-    base, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, T, V, inv_t, ignore_index,
-                                               BLOCK_V, False)
-    delta = logp - tl.load(ref_ptr + r)
+                        rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr, MODE: tl.constexpr,
+                        CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
+    r = tl.program_id(0)  # row of the logits and of the gradient output
+    q = _token(r, n0, off0, off1)  # token of the [B, T] inputs and outputs
+    plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
+    base, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t,
+                                               ignore_index, BLOCK_V, False)
+    delta = logp - tl.load(ref_ptr + q)
     if CLIP:
         dh = _clamp(delta, clip_lo, clip_hi)
         inside = valid & (delta > clip_lo) & (delta < clip_hi)
@@ -54,54 +56,56 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
         inside = valid
         dpass = valid
     dh = tl.where(valid, dh, 0.0)
-    tl.store(aux_ptr + r, inside.to(tl.float32))
+    tl.store(aux_ptr + q, inside.to(tl.float32))
     if MODE == 1:
         val = dh
         coef = tl.where(valid & dpass, 1.0, 0.0)
         for i in range(1, 4):  # GRPO's planes, zero (the buffer is not zero-filled first: one launch less)
-            tl.store(aux_ptr + i * N + r, 0.0)
+            tl.store(aux_ptr + i * plane + q, 0.0)
     else:
-        a = tl.load(adv_ptr + r // T).to(tl.float32)
+        a = tl.load(adv_ptr + q // T).to(tl.float32)
         rho = tl.exp(dh)
         a1 = a * rho
         a2 = a * _clamp(rho, rho_lo, rho_hi)
         u = -tl.minimum(a1, a2, propagate_nan=tl.PropagateNan.ALL)
         du = tl.where((a1 <= a2) & dpass, -a1, 0.0)
         if HAS_KL_REF:
-            lkl = tl.load(klref_ptr + r)
+            lkl = tl.load(klref_ptr + q)
         else:
-            lkl = tl.load(ref_ptr + r)
+            lkl = tl.load(ref_ptr + q)
         x = tl.where(valid, lkl - logp, 0.0)
         ex = tl.exp(x)
         k3 = ex - x - 1.0
         # beta == 0 must not turn an infinite k3 into NaN (the reference drops the term then)
         val = tl.where(valid, tl.where(beta != 0.0, u + beta * k3, u), 0.0)
         coef = tl.where(valid, tl.where(beta != 0.0, du + beta * (1.0 - ex), du), 0.0)
-        tl.store(aux_ptr + N + r, (valid & (rho < rho_lo) & (a < 0)).to(tl.float32))
-        tl.store(aux_ptr + 2 * N + r, (valid & (rho > rho_hi) & (a > 0)).to(tl.float32))
-        tl.store(aux_ptr + 3 * N + r, k3)
-    tl.store(val_ptr + r, val)
-    tl.store(coef_ptr + r, coef)
-    tl.store(lse_ptr + r, lse)
+        tl.store(aux_ptr + plane + q, (valid & (rho < rho_lo) & (a < 0)).to(tl.float32))
+        tl.store(aux_ptr + 2 * plane + q, (valid & (rho > rho_hi) & (a > 0)).to(tl.float32))
+        tl.store(aux_ptr + 3 * plane + q, k3)
+    tl.store(val_ptr + q, val)
+    tl.store(coef_ptr + q, coef)
+    tl.store(lse_ptr + q, lse)
     if GRAD:
         out_base = _row_base(g_ptr, r, T, g_sb, g_st)
         if valid:
-            _row_grad_store(base, out_base, V, y, lse, coef * tl.load(w_ptr + r // T), inv_t, BLOCK_V)
+            _row_grad_store(base, out_base, V, y, lse, coef * tl.load(w_ptr + q // T), inv_t, BLOCK_V)
         else:
             _row_zero(out_base, V, BLOCK_V)
 
 
 def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignore_index, kl_ref_logps=None,
                     advantages=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, row_weight=None, grad_out=None,
-                    out=None):
+                    out=None, segs=None):
     """Launch the kernel on ``logits [B, T, V]``; returns ``(val, coef, lse, aux)`` (fp32 ``[B, T]`` x3, ``[4, B, T]``).
 
     ``clip`` is a :class:`~humanline_kernels.HumanlineClip` or None. With ``row_weight [B]`` and ``grad_out``
-    (a ``[B, T, V]`` buffer, possibly ``logits`` itself) the GRPO gradient is written too. ``out``: the four
-    outputs to write into (the fused-linear path passes a chunk's slices of whole-batch buffers: ``val``, ``coef``,
-    ``lse`` contiguous ``[B, T]`` views, ``aux`` ``[4, B, T]`` with any plane stride).
+    (a buffer shaped like ``logits``, possibly ``logits`` itself) the GRPO gradient is written too. ``out``: the
+    four outputs to write into (``val``, ``coef``, ``lse`` contiguous ``[B, T]``, ``aux`` ``[4, B, T]`` with any
+    plane stride). ``segs`` (a fused-linear chunk's token ranges, see :func:`.logprobs.row_args`): ``logits`` and
+    ``grad_out`` are the chunk's ``[n, V]`` buffer, every other tensor the whole batch's; ``out`` is required then.
     """
-    B, T, V = logits.shape
+    grid, T, V, x_sb, x_st, n0, off0, off1 = row_args(logits, labels, segs)
+    B = labels.shape[0]
     dev = logits.device
     f32 = dict(dtype=torch.float32, device=dev)
     if out is not None:
@@ -109,7 +113,7 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
     else:
         val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
         aux = torch.empty((4, B, T), **f32)  # every plane is written by the kernel
-    if B * T == 0:
+    if grid == 0:
         return val, coef, lse, aux
     grad = grad_out is not None
     ref = ref_logps.to(torch.float32).contiguous()
@@ -117,12 +121,13 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
     adv = ref if advantages is None else advantages.to(torch.float32).contiguous()
     w = ref if row_weight is None else row_weight.to(torch.float32).contiguous()
     g = grad_out if grad else logits
+    g_sb, g_st = (g.stride(0), g.stride(1)) if segs is None else (T * g.stride(0), g.stride(0))
     block, warps = block_config(logits)
     with device_guard(logits):
-        launcher(_token_terms_kernel, logits)[(B * T,)](
-            logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1), ref, klr, adv,
-            w, g, g.stride(0), g.stride(1), val, coef, lse, aux, aux.stride(0), T, V, 1.0 / temperature, ignore_index,
+        launcher(_token_terms_kernel, logits)[(grid,)](
+            logits, x_sb, x_st, labels, labels.stride(0), labels.stride(1), ref, klr, adv, w, g, g_sb, g_st, val,
+            coef, lse, aux, aux.stride(0), T, V, 1.0 / temperature, ignore_index,
             float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0,
-            1.0 - float(epsilon_low), 1.0 + float(epsilon_high), float(beta), BLOCK_V=block, MODE=mode,
-            CLIP=clip is not None, HAS_KL_REF=kl_ref_logps is not None, GRAD=grad, num_warps=warps)
+            1.0 - float(epsilon_low), 1.0 + float(epsilon_high), float(beta), n0, off0, off1, BLOCK_V=block,
+            MODE=mode, CLIP=clip is not None, HAS_KL_REF=kl_ref_logps is not None, GRAD=grad, num_warps=warps)
     return val, coef, lse, aux
