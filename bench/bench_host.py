@@ -50,7 +50,7 @@ def _calls(N, V, D, device, dtype):
         "fused.grpo(validate=True)": lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04)[0], x),
         "fused_linear.grpo": lambda: grad(hk.fused_linear.grpo(h, w, y, ref, adv, **kw)[0], (h, w)),
         "fused_linear.dpo": lambda: grad(hk.fused_linear.dpo(h, w, y, ref, **kw)[0], (h, w)),
-        "fused_linear.kto": lambda: grad(hk.fused_linear.kto(h, w, y, ref, des, **kw)[0], (h, w)),
+        "fused_linear.kto": lambda: grad(hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **kw)[0], (h, w)),
     }
     from humanline_kernels.ops import linear_chunks as LC
     rows = LC.max_rows_for(V, h.dtype, hk.fused_linear.CHUNK_BYTES)  # the chunks the calls above will cut
