@@ -123,6 +123,42 @@ def test_clip_off_and_chunk_sizes(name, kw, chunk_tokens):
     _compare(ours, refs, (h, w, b), torch.float32)
 
 
+@pytest.mark.parametrize("name", ["dpo", "kto"])
+def test_chunks_of_several_pairs_strided_inputs_and_grad_output(path, name):
+    """Chunks of 3 pairs (rows) of 7, the last one shorter (the finalize's span starts past its first tile),
+    ``labels[:, 1:]`` / ``ref[:, 1:]`` views as a causal shift gives them, and ``grad_output = 2.5``."""
+    B, T, D, V = 14, 5, 6, 37
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(B, T, D, generator=g, requires_grad=True)
+    w = (torch.randn(V, D, generator=g) * 0.5).requires_grad_()
+    y_full = torch.randint(0, V, (B, T + 1), generator=g)
+    y_full[2, 3:] = -100
+    y_full[5] = -100
+    y = y_full[:, 1:]
+    with torch.no_grad():
+        ref_full = torch.zeros(B, T + 1)
+        ref_full[:, 1:] = R.token_logprobs(_logits(h, w, None), y) + 0.4 * torch.randn(B, T, generator=g)
+    ref = ref_full[:, 1:]
+    assert not y.is_contiguous() and not ref.is_contiguous()
+    if name == "dpo":
+        rows, args, rargs, kw = 3 * 2 * T, (ref,), (ref, y != -100), dict(beta=0.3, label_smoothing=0.05)
+        assert len(LC.pair_chunks(B, T, rows)) == 3
+    else:
+        des = torch.arange(B) % 3 != 1
+        kl = (torch.randn(4, T, generator=g) - 2, torch.randn(4, T, generator=g) - 2, torch.rand(4, T) > 0.2)
+        rows, args, rargs, kw = 3 * T, (ref, des, *kl), (ref, y != -100, des, *kl), dict(beta=0.4)
+        assert len(LC.row_chunks(B, T, rows)) == 5
+    loss, metrics = getattr(hk.fused_linear, name)(h, w, y, *args, chunk_bytes=rows * V * 4, clip=CLIP, **kw)
+    rloss, rmetrics = getattr(R, name)(R.token_logprobs(_logits(h, w, None), y), *rargs, clip=CLIP, **kw)
+    torch.testing.assert_close(loss, rloss, atol=1e-5, rtol=1e-5)
+    for k in rmetrics:
+        torch.testing.assert_close(metrics[k], rmetrics[k], atol=1e-5, rtol=1e-5, msg=k)
+    got = torch.autograd.grad(loss * 2.5, (h, w))
+    want = torch.autograd.grad(rloss * 2.5, (h, w))
+    for a, b in zip(got, want):
+        assert _rel(a, b) <= 1e-5
+
+
 def test_grad_output_scaling_and_partial_requires_grad():
     h, w, b, y, ref, g = _case()
     adv = torch.randn(4, generator=g)

@@ -24,8 +24,13 @@ def _worker(rank, world, out):
     for level in (hk.reference, hk.losses):
         loss, m = level.kto(logps, ref, mask, des, *_kl_rows(rank), beta=0.5)
         res.append((loss.item(), m["kl"].item()))
-    # the kernel paths (Triton interpreter under the suite's TRITON_INTERPRET=1, inherited by the spawned ranks):
-    # logits and fused linear, fp32, against the reference on the same log-probs
+    # the kernel paths (the ranks' CPU tensors through the Triton interpreter, as the suite's TRITON_INTERPRET=1
+    # does in CPU CI; on a GPU machine the variable is unset and this default decides): logits and fused linear,
+    # fp32, against the reference on the same log-probs
+    from humanline_kernels import ops
+    from humanline_kernels.ops import _jit
+    ops.INTERPRET_CPU_DEFAULT = True
+    _jit.LAUNCHES.clear()
     g = torch.Generator().manual_seed(rank)
     h = torch.randn(2, 3, 4, generator=g)
     w = torch.randn(11, 4, generator=g)
@@ -39,6 +44,7 @@ def _worker(rank, world, out):
         loss, m = fn(*x, y, ref32, des2, *kl, beta=0.5, chunk_bytes=3 * 11 * 4) if fn is hk.fused_linear.kto \
             else fn(*x, y, ref32, des2, *kl, beta=0.5)
         res.append((loss.item(), m["kl"].item(), want[0].item(), want[1]["kl"].item()))
+    assert _jit.LAUNCHES[("interpreted", "_kto_finalize_kernel")] >= 2, dict(_jit.LAUNCHES)
     out[rank] = res
 
 

@@ -155,13 +155,14 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
 
 
 def _alloc_grads(h2, weight, bias, chunks, need):
-    """``dh`` (input dtype), fp32 ``dW`` (not zero-filled when the first chunk overwrites it) and ``db``."""
+    """``dh`` (input dtype), fp32 ``dW`` and ``db`` (not zero-filled when a first chunk overwrites them)."""
     N, D = h2.shape
     V = weight.shape[0]
     acc = torch.float64 if h2.dtype == torch.float64 else torch.float32
     dh = torch.empty_like(h2) if need[0] else None
     dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=acc, device=h2.device) if need[1] else None
-    db = torch.zeros(V, dtype=acc, device=h2.device) if bias is not None and need[2] else None
+    db = (torch.empty if chunks else torch.zeros)(V, dtype=acc, device=h2.device) if bias is not None and need[2] \
+        else None
     return dh, dw, db
 
 
@@ -187,7 +188,10 @@ def _grads(h2, weight, segs, z, dh, dw, db, first):
             _addmm_f32(dw, dz.t(), h2[s:e], beta=0 if first and i == 0 else 1)
         o += e - s
     if db is not None:
-        db += z.sum(0, dtype=db.dtype)
+        if first:  # overwrite: db is not zero-filled first
+            torch.sum(z, 0, dtype=db.dtype, out=db)
+        else:
+            db += z.sum(0, dtype=db.dtype)
 
 
 def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip, temperature, ignore_index,
@@ -220,7 +224,14 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
     val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
     aux = torch.empty((4, B, T), **f32)
     dh, dw, db = _alloc_grads(h2, weight, bias, chunks, need) if grad else (None, None, None)
-    fin = dict(fin, ignore_index=ignore_index)
+    # the per-chunk launches read these whole-batch inputs as they are: cast and made contiguous once per call
+    ref_logps = _f32(ref_logps)
+    terms = {k: _f32(v) if isinstance(v, torch.Tensor) else v for k, v in terms.items()}
+    fin = {k: (_f32(v) if v.is_floating_point() else v.contiguous()) if isinstance(v, torch.Tensor) else v
+           for k, v in fin.items()}
+    if fin.get("z0") is not None:  # given (all-reduced under torch.distributed): the KL rows are not read again
+        fin.update(kl_logps=None, kl_ref_logps=None, kl_mask=None)
+    fin["ignore_index"] = ignore_index
     finalize = getattr(FK, f"{kind}_finalize")
     grpo = kind == "grpo"
     w = FK.grpo_finalize(None, None, labels, **fin)[2] if grpo and grad else None
@@ -246,6 +257,10 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
         _grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
     loss, met, _ = done if done is not None else finalize(val, aux, labels, **fin)
     return loss, dict(zip(_ops.METRICS[kind], met.unbind(0))), (dh, dw, db)
+
+
+def _f32(t):
+    return None if t is None else t.to(torch.float32).contiguous()
 
 
 def _span(kind, segs, T):
