@@ -181,10 +181,6 @@ def _metrics(kind, met):
     return dict(zip(ops.METRICS[kind], met.unbind(0)))
 
 
-def _kernels_ok(logits, *logps):
-    return ops._triton_ok(logits) and all(t is None or t.dtype == torch.float32 for t in logps)
-
-
 def _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate):
     V.check_logits_labels(logits, labels, ignore_index=ignore_index)
     if labels.dim() != 2:
@@ -221,7 +217,7 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
         V.check_tensor("kl_ref_logps", kl_ref_logps, shape=labels.shape, dtypes=(ref_logps.dtype,),
                        device=labels.device)
     agg = dict(loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
-    if not _kernels_ok(logits, ref_logps, kl_ref_logps):
+    if not ops.kernels_ok(logits, ref_logps, kl_ref_logps):
         logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
         return losses.grpo(logps, ref_logps, advantages, mask, clip=clip, beta=beta, epsilon_low=epsilon_low,
                            epsilon_high=epsilon_high, kl_ref_logps=kl_ref_logps, **agg)
@@ -250,7 +246,7 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
     V.check_dpo_rows(labels.shape[0])
     V.check_common(clip=clip, beta=beta, temperature=temperature)
     V.check_dpo_args(label_smoothing)
-    if not _kernels_ok(logits, ref_logps):
+    if not ops.kernels_ok(logits, ref_logps):
         logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
         return losses.dpo(logps, ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
     loss, met = _FusedLoss.apply(logits, labels, ref_logps, None, None, None, None, None, None, None, "dpo",
@@ -268,15 +264,13 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
     V.check_kto_args(labels.shape[0], labels.device, desirable, kl_logps, kl_ref_logps, kl_mask,
                      desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    if not _kernels_ok(logits, ref_logps, kl_logps, kl_ref_logps):
+    if not ops.kernels_ok(logits, ref_logps, kl_logps, kl_ref_logps):
         logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
         return losses.kto(logps, ref_logps, mask, desirable, kl_logps, kl_ref_logps, kl_mask, clip=clip, **weights)
     z0 = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        with torch.no_grad():  # the baseline's sum and count are all-reduced across ranks first
-            s_kl = ref_logps.new_zeros(0) if kl_logps is None else \
-                losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(torch.float32)
-            z0 = losses.kto_baseline(s_kl)
+        # the baseline's sum and count are all-reduced across ranks first
+        z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps)
     fin = (float(beta), float(desirable_weight), float(undesirable_weight))
     ref, *kto_tensors = _distinct(ref_logps, desirable, kl_logps, kl_ref_logps, kl_mask, z0)
     loss, met = _FusedLoss.apply(logits, labels, ref, None, None, *kto_tensors, "kto",

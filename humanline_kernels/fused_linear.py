@@ -231,11 +231,6 @@ def _grad_wrt(fn, x):
         return torch.autograd.grad(fn(x).sum(), x)[0]
 
 
-def _kernels_ok(hidden, *logps):
-    """The kernel path: Triton for ``hidden``'s device and fp32 log-prob inputs (fp64 ones stay eager)."""
-    return ops._triton_ok(hidden) and all(t is None or t.dtype == torch.float32 for t in logps)
-
-
 def _kernel_run(kind, labels, ref_logps, clip, temperature, ignore_index, terms, fin, chunks):
     """The ``run`` of a job on the kernel path (:func:`~humanline_kernels.ops.linear_chunks.run_kernels`)."""
     def run(hidden, weight, bias, need):
@@ -295,7 +290,7 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
                            kl_ref_logps=kl_ref_logps, **terms, **agg)
 
     max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    if not _kernels_ok(hidden, ref_logps, kl_ref_logps):
+    if not ops.kernels_ok(hidden, ref_logps, kl_ref_logps):
         chunks = LC.token_chunks(B * T, max_rows)
         return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
     chunks = LC.grpo_chunks(B, T, max_rows)
@@ -336,7 +331,7 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
 
     chunks = LC.pair_chunks(B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
     run = None
-    if _kernels_ok(hidden, ref_logps):
+    if ops.kernels_ok(hidden, ref_logps):
         run = _kernel_run("dpo", labels, ref_logps, clip, temperature, ignore_index, {},
                           dict(beta=beta, label_smoothing=label_smoothing), chunks)
     return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
@@ -356,14 +351,11 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
                      desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     dt = ref_logps.dtype
     weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    kernels = _kernels_ok(hidden, ref_logps, kl_logps, kl_ref_logps)
+    kernels = ops.kernels_ok(hidden, ref_logps, kl_logps, kl_ref_logps)
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     z0 = None
     if dist or not kernels:  # z0 is known before any chunk runs (all-reduced across ranks under torch.distributed)
-        with torch.no_grad():
-            s_kl = (ref_logps.new_zeros(0) if kl_logps is None else
-                    losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(dt))
-            z0 = losses.kto_baseline(s_kl)
+        z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps)
 
     def coef():
         mask = labels != ignore_index

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import _validation as V
 from ._clip import DEFAULT_CLIP
 
-__all__ = ["dpo", "kto", "grpo", "clip_log_ratio", "dpo_from_sums", "kto_from_sums", "kto_baseline",
+__all__ = ["dpo", "kto", "grpo", "clip_log_ratio", "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline",
            "grpo_token_terms", "grpo_aggregate"]
 
 
@@ -65,6 +65,15 @@ def kto_baseline(s_kl):
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     return torch.where(total[1] > 0, total[0] / total[1].clamp(min=1), 0.0).clamp(min=0.0)
+
+
+@torch.no_grad()
+def kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, like):
+    """:func:`kto_baseline` of the KL rows' clipped sums (no rows when ``kl_logps`` is None: ``z0 = 0``), detached,
+    in ``like``'s dtype and device."""
+    s_kl = like.new_zeros(0) if kl_logps is None else \
+        clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(like.dtype)
+    return kto_baseline(s_kl)
 
 
 def kto_from_sums(s, z0, desirable, *, beta, desirable_weight, undesirable_weight):
@@ -139,12 +148,8 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
                      desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, clip)
     s = clipped.sum(dim=1)
-    with torch.no_grad():
-        if kl_logps is None:
-            s_kl = s.new_zeros(0)
-        else:
-            s_kl = clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(s.dtype)
-    loss, metrics = kto_from_sums(s, kto_baseline(s_kl), desirable, beta=beta, desirable_weight=desirable_weight,
+    z0 = kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, s)
+    loss, metrics = kto_from_sums(s, z0, desirable, beta=beta, desirable_weight=desirable_weight,
                                   undesirable_weight=undesirable_weight)
     metrics["unclipped_frac"] = _frac(n_in, n).detach()
     return loss, metrics

@@ -81,6 +81,12 @@ def _triton_ok(logits: torch.Tensor) -> bool:
     return logits.dtype != torch.float64 and use_triton(logits)
 
 
+def kernels_ok(x, *logps) -> bool:
+    """The losses' kernel path: Triton for ``x``'s device and dtype, and fp32 log-prob inputs (``None`` allowed;
+    fp64 ones keep the eager path, which accumulates in fp64)."""
+    return _triton_ok(x) and all(t is None or t.dtype == torch.float32 for t in logps)
+
+
 def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
     """``(logp [B, T] fp32, lse [B, T] fp32, entropy [B, T] or None)`` of ``logits [B, T, V]`` / ``labels [B, T]``."""
     if _triton_ok(logits):

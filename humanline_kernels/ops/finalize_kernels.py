@@ -23,6 +23,7 @@ import triton.language as tl
 from ._jit import COMPILED_DEVICES, jit, launcher
 from . import GRPO_LOSS_TYPES, METRICS
 from .logprobs import device_guard
+from .losses_kernels import _clamp
 
 def tiles(t: torch.Tensor, block_t: int = 128) -> tuple[int, int, int]:
     """``(BLOCK_B, BLOCK_T, num_warps)``: ``4 x block_t`` tiles on GPU, 512 elements by default (2 a thread: 1024 made
@@ -143,8 +144,7 @@ def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, k
             m = inb & (tl.load(klm_ptr + off, mask=inb, other=0) != 0)
             d = tl.load(kl_ptr + off, mask=m, other=0.0) - tl.load(klref_ptr + off, mask=m, other=0.0)
             if clip_on != 0:
-                d = tl.minimum(tl.maximum(d, clip_lo, propagate_nan=tl.PropagateNan.ALL), clip_hi,
-                               propagate_nan=tl.PropagateNan.ALL)
+                d = _clamp(d, clip_lo, clip_hi)
             s_kl += tl.sum(tl.where(m, d, 0.0), 1)
         acc_tot += s_kl
         acc_cnt += tl.where(s_kl != 0.0, 1.0, 0.0)

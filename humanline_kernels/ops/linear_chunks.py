@@ -229,8 +229,8 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
     terms = {k: _f32(v) if isinstance(v, torch.Tensor) else v for k, v in terms.items()}
     fin = {k: (_f32(v) if v.is_floating_point() else v.contiguous()) if isinstance(v, torch.Tensor) else v
            for k, v in fin.items()}
-    if fin.get("z0") is not None:  # given (all-reduced under torch.distributed): the KL rows are not read again
-        fin.update(kl_logps=None, kl_ref_logps=None, kl_mask=None)
+    if fin.get("z0") is not None:  # given (all-reduced under torch.distributed)
+        _known_z0(fin, fin["z0"])
     fin["ignore_index"] = ignore_index
     finalize = getattr(FK, f"{kind}_finalize")
     grpo = kind == "grpo"
@@ -251,12 +251,17 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
             whole = len(chunks) == 1
             res = finalize(val, aux, labels, **fin, span=None if whole else _span(kind, segs, T))
             if kind == "kto" and fin.get("z0") is None:  # the baseline found once, by the first chunk's launch
-                fin.update(z0=res[1][0], kl_logps=None, kl_ref_logps=None, kl_mask=None)
+                _known_z0(fin, res[1][0])
             done = res if whole else None
             LP.logprobs_bwd(z, labels, lse, coef, temperature, ignore_index, out=z, row_weight=res[2], segs=segs)
         _grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
     loss, met, _ = done if done is not None else finalize(val, aux, labels, **fin)
     return loss, dict(zip(_ops.METRICS[kind], met.unbind(0))), (dh, dw, db)
+
+
+def _known_z0(fin, z0):
+    """KTO's finalize keywords once ``z0`` is known: later launches read it instead of the KL rows."""
+    fin.update(z0=z0, kl_logps=None, kl_ref_logps=None, kl_mask=None)
 
 
 def _f32(t):

@@ -195,12 +195,15 @@ def row_args(logits, labels, segs):
     fused-linear chunk's ``[n, V]`` buffer (rows ``stride(0)`` apart) and ``labels`` (and every other ``[B, T]``
     tensor) is the whole batch's: row ``r`` of the buffer is token :func:`_token` ``(r, n0, off0, off1)``; the
     buffer's row ``r`` is addressed as ``(r // T) * (T * stride) + (r % T) * stride`` by the same code."""
-    if segs is None:
-        B, T, V = logits.shape
-        return B * T, T, V, logits.stride(0), logits.stride(1), B * T, 0, 0
-    n, n0, off0, off1 = chunk_rows(segs)
-    T, V, st = labels.shape[1], logits.shape[-1], logits.stride(0)
-    return n, T, V, T * st, st, n0, off0, off1
+    T, V = labels.shape[1], logits.shape[-1]
+    n, n0, off0, off1 = (labels.numel(), labels.numel(), 0, 0) if segs is None else chunk_rows(segs)
+    return (n, T, V, *row_strides(logits, T, segs), n0, off0, off1)
+
+
+def row_strides(x, T, segs):
+    """``(s_b, s_t)`` with which :func:`_row_base` finds row ``r`` of ``x``: its own batch and row strides, or for a
+    chunk's ``[n, V]`` buffer (``segs``) ``(T * stride, stride)``, i.e. ``r * stride`` for any ``T``."""
+    return (x.stride(0), x.stride(1)) if segs is None else (T * x.stride(0), x.stride(0))
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
@@ -214,7 +217,6 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if grid == 0:
         return out
-    o_sb, o_st = (out.stride(0), out.stride(1)) if segs is None else (T * out.stride(0), out.stride(0))
     block, warps = block_config(logits)
     g = grad_logp.reshape(labels.shape).contiguous()
     weighted = row_weight is not None
@@ -222,9 +224,9 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     go = grad_loss.reshape(1) if grad_loss is not None else g
     with device_guard(logits):
         launcher(_logprobs_bwd_kernel, logits)[(grid,)](
-            logits, x_sb, x_st, labels, labels.stride(0), labels.stride(1), lse.contiguous(), g, w, go, out, o_sb,
-            o_st, T, V, 1.0 / temperature, ignore_index, n0, off0, off1, int(grad_loss is not None), BLOCK_V=block,
-            ROW_WEIGHT=weighted, num_warps=warps)
+            logits, x_sb, x_st, labels, labels.stride(0), labels.stride(1), lse.contiguous(), g, w, go, out,
+            *row_strides(out, T, segs), T, V, 1.0 / temperature, ignore_index, n0, off0, off1,
+            int(grad_loss is not None), BLOCK_V=block, ROW_WEIGHT=weighted, num_warps=warps)
     return out
 
 

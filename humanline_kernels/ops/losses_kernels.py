@@ -23,7 +23,8 @@ import triton.language as tl
 
 from ._jit import jit, launcher
 
-from .logprobs import _row_base, _row_grad_store, _row_logp, _row_zero, _token, block_config, device_guard, row_args
+from .logprobs import (_row_base, _row_grad_store, _row_logp, _row_zero, _token, block_config, device_guard, row_args,
+                       row_strides)
 
 MODE_RATIO, MODE_GRPO = 1, 2
 
@@ -121,12 +122,11 @@ def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignor
     adv = ref if advantages is None else advantages.to(torch.float32).contiguous()
     w = ref if row_weight is None else row_weight.to(torch.float32).contiguous()
     g = grad_out if grad else logits
-    g_sb, g_st = (g.stride(0), g.stride(1)) if segs is None else (T * g.stride(0), g.stride(0))
     block, warps = block_config(logits)
     with device_guard(logits):
         launcher(_token_terms_kernel, logits)[(grid,)](
-            logits, x_sb, x_st, labels, labels.stride(0), labels.stride(1), ref, klr, adv, w, g, g_sb, g_st, val,
-            coef, lse, aux, aux.stride(0), T, V, 1.0 / temperature, ignore_index,
+            logits, x_sb, x_st, labels, labels.stride(0), labels.stride(1), ref, klr, adv, w, g,
+            *row_strides(g, T, segs), val, coef, lse, aux, aux.stride(0), T, V, 1.0 / temperature, ignore_index,
             float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0,
             1.0 - float(epsilon_low), 1.0 + float(epsilon_high), float(beta), n0, off0, off1, BLOCK_V=block,
             MODE=mode, CLIP=clip is not None, HAS_KL_REF=kl_ref_logps is not None, GRAD=grad, num_warps=warps)

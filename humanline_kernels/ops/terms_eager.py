@@ -83,11 +83,7 @@ def kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z
                  desirable_weight, undesirable_weight, clip):
     mask = labels != ignore_index
     if z0 is None:
-        if kl_logps is None:
-            s_kl = val.new_zeros(0)
-        else:
-            s_kl = losses.clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(val.dtype)
-        z0 = losses.kto_baseline(s_kl)
+        z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, val)
     weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     loss, m, w = _w(lambda s: losses.kto_from_sums(s, z0.to(val.dtype).reshape(()), desirable, **weights),
                     val.sum(1))
