@@ -177,10 +177,6 @@ def _distinct(*ts):
     return out
 
 
-def _metrics(kind, met):
-    return dict(zip(ops.METRICS[kind], met.unbind(0)))
-
-
 def _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate):
     V.check_logits_labels(logits, labels, ignore_index=ignore_index)
     if labels.dim() != 2:
@@ -232,7 +228,7 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
                  float(temperature), ignore_index)
         loss, met = _FusedLoss.apply(logits, labels, *_distinct(ref_logps, kl_ref_logps, advantages, norm_t), None,
                                      None, None, None, "grpo", terms, fin, bool(inplace_backward))
-    return loss, _metrics("grpo", met)
+    return loss, ops.named_metrics("grpo", met)
 
 
 def _ratio_terms(clip, temperature, ignore_index):
@@ -252,7 +248,7 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
     loss, met = _FusedLoss.apply(logits, labels, ref_logps, None, None, None, None, None, None, None, "dpo",
                                  _ratio_terms(clip, temperature, ignore_index),
                                  (float(beta), float(label_smoothing)), bool(inplace_backward))
-    return loss, _metrics("dpo", met)
+    return loss, ops.named_metrics("dpo", met)
 
 
 def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
@@ -268,11 +264,10 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
         logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
         return losses.kto(logps, ref_logps, mask, desirable, kl_logps, kl_ref_logps, kl_mask, clip=clip, **weights)
     z0 = None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # the baseline's sum and count are all-reduced across ranks first
+    if losses._distributed():  # the baseline's sum and count are all-reduced across ranks first
         z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps)
     fin = (float(beta), float(desirable_weight), float(undesirable_weight))
     ref, *kto_tensors = _distinct(ref_logps, desirable, kl_logps, kl_ref_logps, kl_mask, z0)
     loss, met = _FusedLoss.apply(logits, labels, ref, None, None, *kto_tensors, "kto",
                                  _ratio_terms(clip, temperature, ignore_index), fin, bool(inplace_backward))
-    return loss, _metrics("kto", met)
+    return loss, ops.named_metrics("kto", met)

@@ -352,9 +352,9 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
     dt = ref_logps.dtype
     weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     kernels = ops.kernels_ok(hidden, ref_logps, kl_logps, kl_ref_logps)
-    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     z0 = None
-    if dist or not kernels:  # z0 is known before any chunk runs (all-reduced across ranks under torch.distributed)
+    # z0 is known before any chunk runs (all-reduced across ranks under torch.distributed)
+    if losses._distributed() or not kernels:
         z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps)
 
     def coef():

@@ -58,11 +58,17 @@ def dpo_from_sums(s, *, beta, label_smoothing):
     return loss, metrics
 
 
+def _distributed() -> bool:
+    """Whether :func:`kto_baseline` all-reduces (torch.distributed initialised): the kernel paths then take ``z0``
+    from it rather than from their own finalize kernel."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 @torch.no_grad()
 def kto_baseline(s_kl):
     """KTO's ``z0 = max(0, sum(s_kl) / #{s_kl != 0})`` (0 with no non-zero row), all-reduced across ranks."""
     total = torch.stack([s_kl.sum(), (s_kl != 0).sum().to(s_kl.dtype)])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         torch.distributed.all_reduce(total)
     return torch.where(total[1] > 0, total[0] / total[1].clamp(min=1), 0.0).clamp(min=0.0)
 

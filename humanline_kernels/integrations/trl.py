@@ -450,7 +450,7 @@ class _HumanlineMixin:
         # the backward.
         self.hk_la_syncs += int(self.hk_la.wait())
         for _ in range(batches.rng_draws):  # this step's data loader seed draws, where the stock loop makes them
-            torch.empty((), dtype=torch.int64).random_()
+            _seed_draw()
         batches = [dict(mb, hk_ref_logps=r) for mb, r in zip(batches, refs)]
         return batches, self._get_num_items_in_batch(batches, device)
 
@@ -481,13 +481,18 @@ class _StepBatches(list):
         self.wanted, self.epoch, self.first, self.rng_draws = wanted, epoch, first, 0
 
 
+def _seed_draw():
+    """One draw of the global CPU RNG as torch's DataLoader makes it for its base seed (and a RandomSampler for
+    its seed)."""
+    torch.empty((), dtype=torch.int64).random_()
+
+
 def _int64_draws(before, after, limit=8):
-    """How many ``torch.empty((), dtype=torch.int64).random_()`` calls (the draw of a DataLoader's base seed and
-    of a RandomSampler's seed) take the global CPU RNG from state ``before`` to ``after``; None if no such run does.
-    Leaves the RNG at ``after``."""
+    """How many :func:`_seed_draw` calls take the global CPU RNG from state ``before`` to ``after``; None if no
+    such run does. Leaves the RNG at ``after``."""
     torch.set_rng_state(before)
     for n in range(1, limit + 1):
-        torch.empty((), dtype=torch.int64).random_()
+        _seed_draw()
         if torch.equal(torch.get_rng_state(), after):
             return n
     torch.set_rng_state(after)

@@ -25,6 +25,11 @@ METRICS = {
 GRPO_LOSS_TYPES = {"dapo": 0, "bnpo": 0, "grpo": 1, "dr_grpo": 2}
 
 
+def named_metrics(kind, met):
+    """The API's metrics dict of a finalize op's ``metrics`` tensor (0-d views, in :data:`METRICS` order)."""
+    return dict(zip(METRICS[kind], met.unbind(0)))
+
+
 _JIT = None  # the ops._jit module once triton imported, False when it cannot
 
 

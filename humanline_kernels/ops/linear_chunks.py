@@ -56,6 +56,16 @@ def new_buffer(numel, dtype, device):
     return torch.empty(numel, dtype=dtype, device=device)
 
 
+def _size(segs):
+    """Tokens in a chunk."""
+    return sum(e - s for s, e in segs)
+
+
+def _chunks_buffer(chunks, V, dtype, device):
+    """The buffer for the largest chunk's ``[n, V]`` logits."""
+    return new_buffer(max(map(_size, chunks), default=0) * V, dtype, device)
+
+
 _F32_ADDMM = {}
 
 
@@ -129,8 +139,7 @@ def run(h2, weight, bias, labels, chunks, *, temperature, ignore_index, return_e
     lse = lse if given_lse else torch.zeros(N, dtype=acc, device=dev)
     ent = torch.zeros(N, dtype=acc, device=dev) if return_entropy else None
     dh, dw, db = _alloc_grads(h2, weight, bias, chunks, need) if grad else (None, None, None)
-    max_n = max((sum(e - s for s, e in segs) for segs in chunks), default=0)
-    buf = new_buffer(max_n * V, cdt, dev)
+    buf = _chunks_buffer(chunks, V, cdt, dev)
     wt = weight.t()
     for i, segs in enumerate(chunks):
         y_c = _gather(labels, segs)
@@ -236,11 +245,11 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
     grpo = kind == "grpo"
     w = FK.grpo_finalize(None, None, labels, **fin)[2] if grpo and grad else None
     mode = _ops.MODE_GRPO if grpo else _ops.MODE_RATIO
-    buf = new_buffer(max((sum(e - s for s, e in segs) for segs in chunks), default=0) * V, h2.dtype, dev)
+    buf = _chunks_buffer(chunks, V, h2.dtype, dev)
     wt = weight.t()
     done = None  # (loss, metrics, w) of a finalize over the whole batch
     for i, segs in enumerate(chunks):
-        z = buf[:sum(e - s for s, e in segs) * V].view(-1, V)
+        z = buf[:_size(segs) * V].view(-1, V)
         _lm_head(h2, wt, bias, segs, z)
         LK.token_terms_fwd(z, labels, ref_logps, mode=mode, clip=clip, temperature=temperature,
                            ignore_index=ignore_index, row_weight=w, grad_out=z if grpo and grad else None,
@@ -256,7 +265,7 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
             LP.logprobs_bwd(z, labels, lse, coef, temperature, ignore_index, out=z, row_weight=res[2], segs=segs)
         _grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
     loss, met, _ = done if done is not None else finalize(val, aux, labels, **fin)
-    return loss, dict(zip(_ops.METRICS[kind], met.unbind(0))), (dh, dw, db)
+    return loss, _ops.named_metrics(kind, met), (dh, dw, db)
 
 
 def _known_z0(fin, z0):
@@ -270,10 +279,9 @@ def _f32(t):
 
 def _span(kind, segs, T):
     """The pairs (DPO) or rows (KTO) of a chunk, for its finalize launch."""
-    (s, e), *rest = segs
+    (s, e), *_ = segs
     if kind == "dpo":  # chosen rows first; merged with their partners when the chunk holds every pair
-        n = e - s + sum(e1 - s1 for s1, e1 in rest)
-        return s // T, s // T + n // (2 * T)
+        return s // T, s // T + _size(segs) // (2 * T)
     return s // T, e // T
 
 
