@@ -122,15 +122,16 @@ def loss_bwd(logits, labels, lse, coef, row_weight, grad_loss, temperature, igno
     return eager.logprobs_bwd(logits, labels, lse, g, temperature, ignore_index, out=out)
 
 
-def _finalize(name, val, *args, **kw):
+def _finalize(name, val, aux, labels, *args, **kw):
     """``(loss 0-d, metrics [K] in METRICS order, w [B])`` by the finalize kernel, or eagerly through
-    :mod:`humanline_kernels.losses` (the same math, which tests pin to the reference)."""
-    if use_triton(val) and val.dtype == torch.float32:
+    :mod:`humanline_kernels.losses` (the same math, which tests pin to the reference). Kernel path: fp32 ``val``
+    on a Triton device; ``val=None`` (GRPO's row weights alone) goes by the labels' device."""
+    if use_triton(labels if val is None else val) and (val is None or val.dtype == torch.float32):
         from . import finalize_kernels
-        return getattr(finalize_kernels, name)(val, *args, **kw)
+        return getattr(finalize_kernels, name)(val, aux, labels, *args, **kw)
     from . import terms_eager
     _eager(name)
-    return getattr(terms_eager, name)(val, *args, **kw)
+    return getattr(terms_eager, name)(val, aux, labels, *args, **kw)
 
 
 def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing):
@@ -151,15 +152,8 @@ def kto_finalize(val, aux, labels, desirable, kl_logps=None, kl_ref_logps=None, 
 def grpo_finalize(val, aux, labels, *, ignore_index, loss_type, normalizer=None, max_completion_length=None):
     """GRPO aggregation of the token terms; ``val=None``: only ``w`` (= :func:`grpo_row_weights`), loss and
     metrics 0."""
-    t = labels if val is None else val
-    if use_triton(t) and t.dtype in (torch.float32, torch.int64):
-        from . import finalize_kernels
-        return finalize_kernels.grpo_finalize(val, aux, labels, ignore_index=ignore_index, loss_type=loss_type,
-                                              normalizer=normalizer, max_completion_length=max_completion_length)
-    from . import terms_eager
-    _eager("grpo_finalize")
-    return terms_eager.grpo_finalize(val, aux, labels, ignore_index=ignore_index, loss_type=loss_type,
-                                     normalizer=normalizer, max_completion_length=max_completion_length)
+    return _finalize("grpo_finalize", val, aux, labels, ignore_index=ignore_index, loss_type=loss_type,
+                     normalizer=normalizer, max_completion_length=max_completion_length)
 
 
 def token_terms_fwd(logits, labels, ref_logps, *, mode, clip, temperature, ignore_index, kl_ref_logps=None,
