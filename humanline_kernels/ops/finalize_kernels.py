@@ -250,15 +250,17 @@ def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_pt
         tl.store(loss_ptr, 0.0)
         for i in range(4):
             tl.store(met_ptr + i, 0.0)
-    # second sweep (labels only): the "grpo" weight needs E, known only now
+    # second sweep: the "grpo" weight needs E, known only now, and each row's n again (labels only); the other
+    # loss types' weights are one scalar, so they skip re-reading the labels
     for b0 in range(0, B, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
         bm = b < B
         n = tl.zeros([BLOCK_B], dtype=tl.float32)
-        for t0 in range(0, T, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            inb = bm[:, None] & (t < T)[None, :]
-            n += tl.sum(_valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index).to(tl.float32), 1)
+        if loss_type == 1:
+            for t0 in range(0, T, BLOCK_T):
+                t = t0 + tl.arange(0, BLOCK_T)
+                inb = bm[:, None] & (t < T)[None, :]
+                n += tl.sum(_valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index).to(tl.float32), 1)
         w = tl.zeros([BLOCK_B], dtype=tl.float32) + dr_scale
         if loss_type == 0:
             w = tl.zeros([BLOCK_B], dtype=tl.float32) + 1.0 / den
