@@ -265,9 +265,10 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     dt = ref_logps.dtype
     terms = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
     agg = dict(loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
+    kernels = ops.kernels_ok(hidden, ref_logps, kl_ref_logps)
+    mask = None if kernels else labels != ignore_index  # eager path only: the kernels read the labels themselves
 
-    def coef():  # eager path (the kernel path reads the mask from the labels on the device)
-        mask = labels != ignore_index
+    def coef():
         # The aggregation is linear in the per-token terms: its gradient is each token's whole-batch weight.
         w = _grad_wrt(lambda x: losses.grpo_aggregate(x, mask, **agg), torch.zeros(B, T, dtype=dt,
                                                                                    device=mask.device))
@@ -286,11 +287,11 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
         return per_chunk
 
     def finalize(logps):
-        return losses.grpo(logps.to(dt), ref_logps, advantages, labels != ignore_index, clip=clip,
+        return losses.grpo(logps.to(dt), ref_logps, advantages, mask, clip=clip,
                            kl_ref_logps=kl_ref_logps, **terms, **agg)
 
     max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    if not ops.kernels_ok(hidden, ref_logps, kl_ref_logps):
+    if not kernels:
         chunks = LC.token_chunks(B * T, max_rows)
         return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
     chunks = LC.grpo_chunks(B, T, max_rows)
@@ -311,10 +312,10 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
     V.check_common(clip=clip, beta=beta)
     V.check_dpo_args(label_smoothing)
     dt, P = ref_logps.dtype, B // 2
+    kernels = ops.kernels_ok(hidden, ref_logps)
+    mask = None if kernels else labels != ignore_index  # eager path only: the kernels read the labels themselves
 
     def coef():
-        mask = labels != ignore_index
-
         def per_chunk(segs, lp):
             ref, m = _rows(ref_logps, segs, T), _rows(mask, segs, T)
             k = ref.shape[0] // 2
@@ -326,12 +327,11 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
         return per_chunk
 
     def finalize(logps):
-        return losses.dpo(logps.to(dt), ref_logps, labels != ignore_index, clip=clip, beta=beta,
-                          label_smoothing=label_smoothing)
+        return losses.dpo(logps.to(dt), ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
 
     chunks = LC.pair_chunks(B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
     run = None
-    if ops.kernels_ok(hidden, ref_logps):
+    if kernels:
         run = _kernel_run("dpo", labels, ref_logps, clip, temperature, ignore_index, {},
                           dict(beta=beta, label_smoothing=label_smoothing), chunks)
     return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
@@ -352,14 +352,13 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
     dt = ref_logps.dtype
     weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     kernels = ops.kernels_ok(hidden, ref_logps, kl_logps, kl_ref_logps)
+    mask = None if kernels else labels != ignore_index  # eager path only: the kernels read the labels themselves
     z0 = None
     # z0 is known before any chunk runs (all-reduced across ranks under torch.distributed)
     if losses._distributed() or not kernels:
         z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps)
 
     def coef():
-        mask = labels != ignore_index
-
         def per_chunk(segs, lp):
             ref, m, des = _rows(ref_logps, segs, T), _rows(mask, segs, T), _rows(desirable, segs, T)
             k = ref.shape[0]
@@ -371,7 +370,7 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
         return per_chunk
 
     def finalize(logps):
-        clipped, n_in, n = losses.clip_log_ratio(logps.to(dt), ref_logps, labels != ignore_index, clip)
+        clipped, n_in, n = losses.clip_log_ratio(logps.to(dt), ref_logps, mask, clip)
         loss, metrics = losses.kto_from_sums(clipped.sum(dim=1), z0, desirable, **weights)
         metrics["unclipped_frac"] = losses._frac(n_in, n).detach()
         return loss, metrics

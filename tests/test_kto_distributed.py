@@ -40,9 +40,8 @@ def _worker(rank, world, out):
     des2 = torch.tensor([rank == 0, True])
     kl = tuple(t.float() if t.is_floating_point() else t for t in _kl_rows(rank))
     want = hk.reference.kto(lp, ref32, y != -100, des2, *kl, beta=0.5)
-    for fn, x in ((hk.fused.kto, (h @ w.T,)), (hk.fused_linear.kto, (h, w))):
-        loss, m = fn(*x, y, ref32, des2, *kl, beta=0.5, chunk_bytes=3 * 11 * 4) if fn is hk.fused_linear.kto \
-            else fn(*x, y, ref32, des2, *kl, beta=0.5)
+    for fn, x, kw in ((hk.fused.kto, (h @ w.T,), {}), (hk.fused_linear.kto, (h, w), dict(chunk_bytes=3 * 11 * 4))):
+        loss, m = fn(*x, y, ref32, des2, *kl, beta=0.5, **kw)
         res.append((loss.item(), m["kl"].item(), want[0].item(), want[1]["kl"].item()))
     assert _jit.LAUNCHES[("interpreted", "_kto_finalize_kernel")] >= 2, dict(_jit.LAUNCHES)
     out[rank] = res
