@@ -11,8 +11,8 @@ skipped (``warmup=True``). The cases cover every constexpr combination (loss mod
 forward, in place, entropy, loss backward, finalize) at one aligned shape for fp32/bf16/fp16 logits, and every
 specialisation-changing shape (rows not 16-byte aligned, batch/row strides past 2^31, T = 1, odd T, tiny V, a
 ``[:, :-1]`` view) for the main configurations, and the fused-linear driver of each loss (one chunk and split
-chunks). Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in its PTX (no local memory;
-16-byte global loads in aligned variants, except the finalize kernels, which stream no row).
+chunks). Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in its PTX (no
+local memory; 16-byte global loads in aligned variants, except the finalize kernels, which stream no row).
 
 Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
 """

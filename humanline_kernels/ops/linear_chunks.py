@@ -247,6 +247,7 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
     mode = _ops.MODE_GRPO if grpo else _ops.MODE_RATIO
     buf = _chunks_buffer(chunks, V, h2.dtype, dev)
     wt = weight.t()
+    whole = len(chunks) == 1  # a DPO / KTO chunk's finalize is then the whole batch's
     done = None  # (loss, metrics, w) of a finalize over the whole batch
     for i, segs in enumerate(chunks):
         z = buf[:_size(segs) * V].view(-1, V)
@@ -257,7 +258,6 @@ def run_kernels(kind, h2, weight, bias, labels, chunks, *, need, ref_logps, clip
         if not grad:
             continue
         if not grpo:
-            whole = len(chunks) == 1
             res = finalize(val, aux, labels, **fin, span=None if whole else _span(kind, segs, T))
             if kind == "kto" and fin.get("z0") is None:  # the baseline found once, by the first chunk's launch
                 _known_z0(fin, res[1][0])
