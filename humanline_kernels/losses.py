@@ -101,11 +101,13 @@ def kto_from_sums(s, z0, desirable, *, beta, desirable_weight, undesirable_weigh
 
 def grpo_token_terms(logps, clipped, kl_ref_logps, advantages, mask, *, beta, epsilon_low, epsilon_high):
     """Per-token GRPO term ``L = u + beta * k3`` (0 where masked out) and the per-token k3 / clip indicators.
+    ``advantages`` is ``[B]`` (one per sequence) or shaped like ``logps`` (one per token).
 
     ``clipped`` is the clamped log-ratio against the ratio's reference; ``kl_ref_logps`` is the (unclipped)
     reference of the k3 estimator.
     """
-    A = advantages.to(logps.dtype).unsqueeze(-1)
+    A = advantages.to(logps.dtype)
+    A = A if A.dim() == logps.dim() else A.unsqueeze(-1)  # [B] per sequence or [B, T] per token (PPO, verl)
     ratio = torch.exp(clipped)
     u = -torch.minimum(A * ratio, A * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
     x = torch.where(mask, kl_ref_logps - logps, 0.0)
