@@ -5,7 +5,7 @@
 For each logits-level loss (and ``token_logprobs``) at ``N`` tokens x ``V`` (default 8192 x 32000, bf16) and each
 fused-linear loss at ``D`` (default 2048): the number of device kernels one forward + backward launches (torch
 profiler, CUDA kernel events), the CPU time to enqueue it (wall time of the call with the GPU kept busy beforehand,
-so the host never waits; median), and the GPU time (``do_bench`` median). DESIGN.md's host target: launches <= 8
+so the host never waits; median), and the GPU time (``do_bench`` median). docs/design.md's host target: launches <= 8
 (logits) or <= 3 per chunk + 6 (fused linear), CPU time <= half the GPU time. ``--quick``: a CPU smoke run of the
 harness (eager paths; launch counts are then aten ops, not kernels).
 """
@@ -52,7 +52,7 @@ def _calls(N, V, D, device, dtype):
         "fused_linear.dpo": lambda: grad(hk.fused_linear.dpo(h, w, y, ref, **kw)[0], (h, w)),
         "fused_linear.kto": lambda: grad(hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **kw)[0], (h, w)),
     }
-    from humanline_kernels.ops import linear_chunks as LC
+    from humanline_kernels.ops import linear as LC
     rows = LC.max_rows_for(V, h.dtype, hk.fused_linear.CHUNK_BYTES)  # the chunks the calls above will cut
     chunks = {"fused_linear.grpo": len(LC.grpo_chunks(B, T, rows)), "fused_linear.dpo": len(LC.pair_chunks(B, T, rows)),
               "fused_linear.kto": len(LC.row_chunks(B, T, rows))}

@@ -1,4 +1,5 @@
-"""Argument checks shared by every input level (reference, losses, fused, fused_linear).
+"""Argument checks: one set per loss (``check_dpo``, ``check_kto``, ``check_grpo``) and one per input level
+(``check_logps``, ``check_logits_loss``, ``check_linear_loss``), used by every level and by the reference.
 
 Each check raises ``ValueError`` naming the argument and what was expected, before any work is done. None of
 them syncs with the device: they read shapes, dtypes and devices, and the one value check,
@@ -11,8 +12,8 @@ import math
 import torch
 
 from ._clip import HumanlineClip
+from .ops.constants import GRPO_LOSS_TYPES
 
-LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
 LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LOGP_DTYPES = (torch.float32, torch.float64)
 
@@ -58,87 +59,78 @@ def check_logps(logps, ref_logps, mask, *, prefix=""):
     check_tensor(prefix + "mask", mask, shape=logps.shape, dtypes=(torch.bool,), device=dev)
 
 
-def check_ref_logps(ref_logps, labels, name="ref_logps"):
-    """Reference log-probs given next to logits: shaped like ``labels``, float32/64, same device."""
-    check_tensor(name, ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+def check_tokens(p):
+    """``temperature`` and ``ignore_index`` of a :class:`~._params.Tokens` (or any params object)."""
+    check_real("temperature", p.temperature, low=0.0, low_open=True)
+    if isinstance(p.ignore_index, bool) or not isinstance(p.ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {p.ignore_index!r}")
 
 
-def check_common(*, clip, beta=None, temperature=None):
-    check_clip(clip)
-    if beta is not None:
-        check_real("beta", beta, low=0.0)
-    if temperature is not None:
-        check_real("temperature", temperature, low=0.0, low_open=True)
+def _check_loss(p):
+    check_clip(p.clip)
+    check_real("beta", p.beta, low=0.0)
 
 
-def check_grpo_args(B, device, advantages, *, epsilon_low, epsilon_high, loss_type, normalizer,
-                    max_completion_length):
-    check_tensor("advantages", advantages, shape=(B,), device=device)
-    if not advantages.is_floating_point():
-        raise ValueError(f"advantages must be a floating-point tensor, got {advantages.dtype}")
-    check_real("epsilon_low", epsilon_low, low=0.0, high=1.0)
-    check_real("epsilon_high", epsilon_high, low=0.0)
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if normalizer is not None:
-        if isinstance(normalizer, torch.Tensor):
-            if normalizer.numel() != 1:
-                raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape {_shape(normalizer)}")
-            if normalizer.device != device:
-                raise ValueError(f"normalizer must be on device {device}, got {normalizer.device}")
-        else:
-            check_real("normalizer", normalizer, low=0.0, low_open=True)
-        if loss_type not in ("dapo", "bnpo"):
-            raise ValueError(f"normalizer applies to loss_type 'dapo' or 'bnpo' only, got loss_type={loss_type!r}")
-    if max_completion_length is not None:
-        if isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int) \
-                or max_completion_length <= 0:
-            raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
-
-
-def check_dpo_rows(B):
+# ------------------------------------------------------------------ one set of checks per loss, every level
+def check_dpo(p, B):
+    """DPO's options and rows (``2P``: chosen rows first, then their rejected partners)."""
+    _check_loss(p)
+    check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
     if B == 0 or B % 2:
         raise ValueError(
             f"DPO expects an even, non-zero number of rows (chosen rows 0..P-1, rejected rows P..2P-1), got {B}"
         )
 
 
-def check_dpo_args(label_smoothing):
-    check_real("label_smoothing", label_smoothing, low=0.0, high=0.5)
-
-
-def check_kto_args(B, device, desirable, kl_logps, kl_ref_logps, kl_mask, *, desirable_weight,
-                   undesirable_weight):
-    check_tensor("desirable", desirable, shape=(B,), dtypes=(torch.bool,), device=device)
-    given = [x is not None for x in (kl_logps, kl_ref_logps, kl_mask)]
+def check_kto(p, B, device, inp):
+    """KTO's options, ``desirable [B]`` bool and the optional KL rows (all three or none)."""
+    _check_loss(p)
+    check_tensor("desirable", inp.desirable, shape=(B,), dtypes=(torch.bool,), device=device)
+    kl = (inp.kl_logps, inp.kl_ref_logps, inp.kl_mask)
+    given = [x is not None for x in kl]
     if any(given) and not all(given):
         raise ValueError("kl_logps, kl_ref_logps and kl_mask must be given together (or all None)")
     if all(given):
-        check_tensor("kl_logps", kl_logps, ndim=2, dtypes=LOGP_DTYPES, device=device)
-        check_tensor("kl_ref_logps", kl_ref_logps, shape=kl_logps.shape, dtypes=(kl_logps.dtype,), device=device)
-        check_tensor("kl_mask", kl_mask, shape=kl_logps.shape, dtypes=(torch.bool,), device=device)
-    check_real("desirable_weight", desirable_weight, low=0.0)
-    check_real("undesirable_weight", undesirable_weight, low=0.0)
+        check_tensor("kl_logps", kl[0], ndim=2, dtypes=LOGP_DTYPES, device=device)
+        check_tensor("kl_ref_logps", kl[1], shape=kl[0].shape, dtypes=(kl[0].dtype,), device=device)
+        check_tensor("kl_mask", kl[2], shape=kl[0].shape, dtypes=(torch.bool,), device=device)
+    check_real("desirable_weight", p.desirable_weight, low=0.0)
+    check_real("undesirable_weight", p.undesirable_weight, low=0.0)
 
 
-def check_logits_labels(logits, labels, *, ignore_index):
-    """``logits [..., V]`` with a contiguous last dimension, ``labels [...]`` int64 on the same device."""
-    check_tensor("logits", logits, dtypes=LOGITS_DTYPES)
-    if logits.dim() < 2:
-        raise ValueError(f"logits must have shape [..., V] with at least 2 dimensions, got {_shape(logits)}")
-    if logits.shape[-1] == 0:
-        raise ValueError("logits must have a non-empty last (vocabulary) dimension")
-    if logits.stride(-1) != 1:
-        raise ValueError(
-            f"logits must have a contiguous last dimension (stride 1), got strides {tuple(logits.stride())}"
-        )
-    check_tensor("labels", labels, dtypes=(torch.int64,), device=logits.device)
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without V), got {_shape(labels)}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+def check_grpo(p, shape, like, inp):
+    """GRPO's options, ``advantages`` ``[B]`` (per sequence) or ``[B, T]`` (per token), ``kl_ref_logps`` (shaped and
+    typed like ``like``, the reference log-probs) and the normalizer (a number in ``p``, or a 1-element tensor in
+    ``inp``)."""
+    _check_loss(p)
+    adv = check_tensor("advantages", inp.advantages, device=like.device)
+    if tuple(adv.shape) not in ((shape[0],), tuple(shape)):
+        raise ValueError(f"advantages must have shape [{shape[0]}] (one per sequence) or {list(shape)} (one per "
+                         f"token), got {_shape(adv)}")
+    if not adv.is_floating_point():
+        raise ValueError(f"advantages must be a floating-point tensor, got {adv.dtype}")
+    if inp.kl_ref_logps is not None:
+        check_tensor("kl_ref_logps", inp.kl_ref_logps, shape=shape, dtypes=(like.dtype,), device=like.device)
+    check_real("epsilon_low", p.epsilon_low, low=0.0, high=1.0)
+    check_real("epsilon_high", p.epsilon_high, low=0.0)
+    if p.loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {p.loss_type!r}")
+    norm = inp.normalizer
+    if norm is not None:
+        if norm.numel() != 1:
+            raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape {_shape(norm)}")
+        if norm.device != like.device:
+            raise ValueError(f"normalizer must be on device {like.device}, got {norm.device}")
+    elif p.normalizer is not None:
+        check_real("normalizer", p.normalizer, low=0.0, low_open=True)
+    if (norm is not None or p.normalizer is not None) and p.loss_type not in ("dapo", "bnpo"):
+        raise ValueError(f"normalizer applies to loss_type 'dapo' or 'bnpo' only, got loss_type={p.loss_type!r}")
+    m = p.max_completion_length
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m <= 0):
+        raise ValueError(f"max_completion_length must be a positive int or None, got {m!r}")
 
 
+# ------------------------------------------------------------------ the inputs of each level
 def check_label_range(labels, V, ignore_index):
     """Labels must lie in ``[0, V)`` or equal ``ignore_index``, checked without a host sync.
 
@@ -158,3 +150,64 @@ def check_label_range(labels, V, ignore_index):
         bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
         idx = bad.nonzero()[0].tolist()
         raise ValueError(f"{msg}; got {int(labels[tuple(idx)])} at index {idx}") from None
+
+
+def check_logits(logits, labels, p, validate):
+    """``logits [..., V]`` with a contiguous last dimension, ``labels [...]`` int64 on the same device, the
+    options ``p`` (temperature, ignore_index) and, with ``validate``, the label range."""
+    check_tensor("logits", logits, dtypes=LOGITS_DTYPES)
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape [..., V] with at least 2 dimensions, got {_shape(logits)}")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty last (vocabulary) dimension")
+    if logits.stride(-1) != 1:
+        raise ValueError(
+            f"logits must have a contiguous last dimension (stride 1), got strides {tuple(logits.stride())}"
+        )
+    check_tensor("labels", labels, dtypes=(torch.int64,), device=logits.device)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without V), got {_shape(labels)}")
+    check_tokens(p)
+    if validate:
+        check_label_range(labels, logits.shape[-1], p.ignore_index)
+
+
+def check_logits_loss(logits, labels, ref_logps, p, validate):
+    """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` shaped like ``labels``, fp32/64."""
+    check_logits(logits, labels, p, validate)
+    if labels.dim() != 2:
+        raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
+    check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+
+
+def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
+    """``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]`` of one dtype and device, ``labels`` shaped like
+    ``hidden`` without ``D``, the options ``p``, a positive ``chunk_bytes`` and, with ``validate``, the labels."""
+    check_tensor("hidden", hidden, dtypes=LOGITS_DTYPES)
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must have shape [..., D] with at least 2 dimensions, got {_shape(hidden)}")
+    D = hidden.shape[-1]
+    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
+    if weight.shape[1] != D:
+        raise ValueError(f"weight must have shape [V, D] with D = hidden.shape[-1] = {D}, got {_shape(weight)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have a non-empty vocabulary dimension (shape [V, D] with V > 0)")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(hidden.dtype,), device=hidden.device)
+    check_tensor("labels", labels, dtypes=(torch.int64,), device=hidden.device)
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels must have shape {list(hidden.shape[:-1])} (hidden without D), "
+                         f"got {_shape(labels)}")
+    check_tokens(p)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    if validate:
+        check_label_range(labels, weight.shape[0], p.ignore_index)
+
+
+def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
+    """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` shaped like ``labels``, fp32/64."""
+    check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {_shape(hidden)}")
+    check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)

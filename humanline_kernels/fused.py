@@ -1,17 +1,19 @@
 r"""Humanline losses and token log-probs straight from logits.
 
 ``logits [..., V]`` (bf16/fp16/fp32, last dimension contiguous, any other strides: a ``logits[:, :-1]`` view is
-used as is), ``labels [...]`` int64 with ``ignore_index`` marking tokens that do not count. CUDA tensors (and CPU
-tensors under ``TRITON_INTERPRET=1``) go through the Triton kernels (see ``docs/kernels.md``); other CPU tensors,
-fp64 logits and fp64 reference log-probs through an eager path (chunked :mod:`humanline_kernels.ops.eager` log-probs
-and :mod:`humanline_kernels.losses`).
+used as is), ``labels [...]`` int64 with ``ignore_index`` marking tokens that do not count. Each public function checks its
+arguments once, builds its loss's params object (:mod:`humanline_kernels._params`) and decides once
+(:func:`humanline_kernels.ops.use_kernels`): CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) go through
+the Triton kernels (see ``docs/kernels.md``); other CPU tensors, fp64 logits and fp64 reference log-probs through
+the eager path (chunked eager log-probs, :mod:`humanline_kernels.ops.logprobs.eager`, then
+:func:`humanline_kernels.losses.compute`), which enters no custom op.
 
 Kernel path of the losses: one pass over the logits gives, per token, the log-prob, the humanline clamp, the
-loss term ``val`` and its derivative ``coef = d val / d logp`` (``humanline::token_terms``). One more launch, the
-loss's finalize kernel (``humanline::{dpo,kto,grpo}_finalize``, :mod:`humanline_kernels.ops.finalize_kernels`),
-does the ``[B, T]`` tail: per-sequence sums, the loss, the metrics and the row weights ``w = d loss / d val``
-(its eager twin goes through :mod:`humanline_kernels.losses`; tests pin both to :mod:`humanline_kernels.reference`).
-The backward is one launch (``humanline::loss_bwd``) that recomputes the softmax from the saved per-row logsumexp:
+loss term ``val`` and its derivative ``coef = d val / d logp`` (:mod:`humanline_kernels.ops.token_terms`). One more
+launch, the loss's finalize kernel (:mod:`humanline_kernels.ops.finalize`), does the ``[B, T]`` tail: per-sequence
+sums, the loss, the metrics and the row weights ``w = d loss / d val`` (tests pin both kernels and their eager twins
+to :mod:`humanline_kernels.reference`). The backward is one launch (:mod:`humanline_kernels.ops.logprobs`) that
+recomputes the softmax from the saved per-row logsumexp:
 ``dlogits = grad_loss * w[b] * coef * (onehot - softmax) / temperature``.
 
 Extra keywords (not in the log-prob level): ``inplace_backward=True`` writes the logits' gradient into the logits'
@@ -27,10 +29,19 @@ import torch
 from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
-from .ops import custom_ops  # noqa: F401  (registers torch.ops.humanline.*)
+from ._params import DPO, KTO, GRPOInputs, KTOInputs, NoInputs, Tokens
+from .ops.constants import named_metrics
+from .ops.logprobs import eager as logprobs_eager
 
 __all__ = ["token_logprobs", "grpo", "dpo", "kto"]
-_hl = torch.ops.humanline
+
+
+def _kernels():
+    """The kernel modules (they import Triton: only once a call has decided for the kernels)."""
+    from .ops.finalize import kernel as finalize
+    from .ops.logprobs import kernel as logprobs
+    from .ops.token_terms import kernel as token_terms
+    return logprobs, token_terms, finalize
 
 
 def _as_3d(logits, labels):
@@ -42,27 +53,19 @@ def _as_3d(logits, labels):
     return logits.reshape(-1, *logits.shape[-2:]), labels.reshape(-1, labels.shape[-1])
 
 
-def _clip_args(clip):
-    return (clip is not None, float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0)
-
-
-def _bwd(logits, labels, lse, g, temperature, ignore_index, inplace):
-    """Gradient of the logits for per-token log-prob gradient ``g [B, T]`` (into the logits when ``inplace``)."""
-    if inplace:
-        _hl.logprobs_bwd_(logits, labels, lse, g, temperature, ignore_index)  # the op bumps the version counter
-        return logits
-    return _hl.logprobs_bwd(logits, labels, lse, g, temperature, ignore_index)
-
-
 class _TokenLogprobs(torch.autograd.Function):
+    """Per-token log-probs (and the detached entropy): the Triton kernels or their eager twin (``kernels``)."""
+
     @staticmethod
-    def forward(ctx, logits, labels, temperature, ignore_index, return_entropy, inplace_backward):
+    def forward(ctx, p, return_entropy, inplace, kernels, logits, labels):
+        LP = _kernels()[0] if kernels else logprobs_eager
         l3, y3 = _as_3d(logits, labels)
-        logp, lse, ent = _hl.logprobs_fwd(l3, y3, temperature, ignore_index, return_entropy)
+        logp, lse, ent = LP.logprobs_fwd(l3, y3, p.temperature, p.ignore_index, return_entropy)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.cfg = (temperature, ignore_index, inplace_backward)
-        ent = ent.view(labels.shape) if return_entropy else ent
-        ctx.mark_non_differentiable(ent)
+        ctx.cfg = (p, inplace, LP)
+        if return_entropy:
+            ent = ent.view(labels.shape)
+            ctx.mark_non_differentiable(ent)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for the entropy
         return logp.view(labels.shape), ent
 
@@ -71,12 +74,15 @@ class _TokenLogprobs(torch.autograd.Function):
         if grad_logp is None:
             return (None,) * 6
         logits, labels, lse = ctx.saved_tensors
-        temperature, ignore_index, inplace = ctx.cfg
+        p, inplace, LP = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
-        d = _bwd(l3, y3, lse, grad_logp.reshape(y3.shape), temperature, ignore_index, inplace)
+        d = LP.logprobs_bwd(l3, y3, lse, grad_logp.reshape(y3.shape), p.temperature, p.ignore_index,
+                            out=l3 if inplace else None)
+        if inplace and LP is logprobs_eager:  # (the kernel's launcher bumps it itself)
+            torch.autograd.graph.increment_version(logits)
         # in place, ``d`` is ``l3``: a view of ``logits``, or a copy when ``[..., T, V]`` could not be flattened
         # without one (then the gradient lives in the copy, not in ``logits``)
-        return d.view(logits.shape), None, None, None, None, None
+        return None, None, None, None, d.view(logits.shape), None
 
 
 def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False,
@@ -88,81 +94,68 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     logits must not be used afterwards (their version counter is bumped). ``validate=False`` skips the label
     range check, the only check that synchronises with the device.
     """
-    V.check_logits_labels(logits, labels, ignore_index=ignore_index)
-    V.check_common(clip=None, temperature=temperature)
-    if validate:
-        V.check_label_range(labels, logits.shape[-1], ignore_index)
-    logp, ent = _TokenLogprobs.apply(logits, labels, float(temperature), ignore_index, bool(return_entropy),
-                                     bool(inplace_backward))
+    p = Tokens(temperature=temperature, ignore_index=ignore_index)
+    V.check_logits(logits, labels, p, validate)
+    kernels = ops.use_kernels(logits)
+    logp, ent = _TokenLogprobs.apply(p, bool(return_entropy), bool(inplace_backward), kernels, logits, labels)
     return (logp, ent) if return_entropy else logp
 
 
 class _FusedLoss(torch.autograd.Function):
-    """``(loss, metrics [K])`` of one loss on the kernel path: the row kernel (``humanline::token_terms``), then the
-    loss's finalize kernel (``humanline::{dpo,kto,grpo}_finalize``: sums, loss, metrics and the row weights
-    ``w = d loss / d val``); the backward is one launch (``humanline::loss_bwd``: ``grad_loss * w * coef``).
-    ``t1..t5`` are the finalize's optional tensors: KTO ``desirable, kl_logps, kl_ref_logps, kl_mask, z0``, GRPO
-    ``t1`` = a tensor normalizer."""
+    """``(loss, metrics [K])`` of the loss ``p`` on the kernel path: the row kernel (per-token ``val``, ``coef``),
+    then the loss's finalize kernel (sums, loss, metrics and the row weights ``w = d loss / d val``); the backward
+    is one launch: ``dlogits = grad_loss * w * coef * (onehot - softmax) / T``. ``inputs``: the loss's
+    :attr:`~humanline_kernels._params.Loss.Inputs`, flattened."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ref, kl_ref, adv, t1, t2, t3, t4, t5, kind, terms, fin, inplace):
-        mode, clip_args, eps_lo, eps_hi, beta, temperature, ignore_index = terms
-        val, coef, lse, aux = _hl.token_terms(logits, labels, ref, kl_ref, adv, mode, *clip_args, eps_lo, eps_hi,
-                                              beta, temperature, ignore_index)
-        if kind == "dpo":
-            loss, met, w = _hl.dpo_finalize(val, aux, labels, ignore_index, *fin)
-        elif kind == "kto":
-            loss, met, w = _hl.kto_finalize(val, aux, labels, t1, t2, t3, t4, t5, ignore_index, *fin, *clip_args)
-        else:
-            loss, met, w = _hl.grpo_finalize(val, aux, labels, t1, fin[0], ignore_index, *fin[1:])
+    def forward(ctx, p, inplace, logits, labels, ref, *inputs):
+        LP, TT, FIN = _kernels()
+        inp = p.Inputs(*inputs)
+        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp)
+        loss, met, w = FIN.FINALIZE[p.name](val, aux, labels, p, inp)
         ctx.save_for_backward(logits, labels, lse, coef, w)
-        ctx.cfg = (temperature, ignore_index, inplace)
+        ctx.cfg = (p, inplace, len(inputs))
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for the metrics
         return loss, met
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_met):
-        logits, labels, lse, coef, w = ctx.saved_tensors
-        temperature, ignore_index, inplace = ctx.cfg
+        p, inplace, n = ctx.cfg
         if grad_loss is None:
-            return (None,) * 14
-        if inplace:
-            _hl.loss_bwd_(logits, labels, lse, coef, w, grad_loss, temperature, ignore_index)  # bumps the version
-            d = logits
-        else:
-            d = _hl.loss_bwd(logits, labels, lse, coef, w, grad_loss, temperature, ignore_index)
-        return (d,) + (None,) * 13
+            return (None,) * (5 + n)
+        logits, labels, lse, coef, w = ctx.saved_tensors
+        d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                       out=logits if inplace else None, row_weight=w, grad_loss=grad_loss)
+        return (None, None, d) + (None,) * (2 + n)
 
 
 class _GrpoGradInForward(torch.autograd.Function):
     """GRPO loss whose logits gradient is written during the forward; backward only scales it by grad_output.
-    The row weights come first, from the labels (``grpo_finalize`` without terms); the loss and metrics after."""
+    The row weights come first, from the labels (the finalize kernel without terms); the loss and metrics after."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ref, kl_ref, adv, norm_t, clip_args, eps_lo, eps_hi, beta, temperature,
-                ignore_index, fin, inplace):
-        _loss, _met, weight = _hl.grpo_finalize(None, None, labels, norm_t, fin[0], ignore_index, *fin[1:])
-        args = (clip_args[0], clip_args[1], clip_args[2], eps_lo, eps_hi, beta, temperature, ignore_index)
-        if inplace:
-            grad = logits
-            val, _c, _l, aux = _hl.grpo_grad_fwd_(logits, labels, ref, kl_ref, adv, weight, *args)
-        else:
-            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            val, _c, _l, aux = _hl.grpo_grad_fwd(logits, labels, ref, kl_ref, adv, weight, grad, *args)
-        loss, met, _w = _hl.grpo_finalize(val, aux, labels, norm_t, fin[0], ignore_index, *fin[1:])
+    def forward(ctx, p, inplace, logits, labels, ref, *inputs):
+        _, TT, FIN = _kernels()
+        inp = p.Inputs(*inputs)
+        w = FIN.grpo_finalize(None, None, labels, p, inp)[2]
+        grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad)
+        loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
         ctx.save_for_backward(grad)
+        ctx.n = len(inputs)
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)
         return loss, met
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_met):
-        (grad,) = ctx.saved_tensors
         if grad_loss is None:
-            return (None,) * 14
-        _hl.scale_rows_(grad, grad_loss.reshape(()).to(torch.float32))  # device-side no-op when grad_loss == 1
-        return (grad,) + (None,) * 13
+            return (None,) * (5 + ctx.n)
+        (grad,) = ctx.saved_tensors
+        # a device-side no-op when grad_loss == 1 (the usual case; no host sync to find out)
+        _kernels()[0].scale_rows_(grad, grad_loss.to(torch.float32))
+        return (None, None, grad) + (None,) * (2 + ctx.n)
 
 
 def _distinct(*ts):
@@ -177,18 +170,10 @@ def _distinct(*ts):
     return out
 
 
-def _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate):
-    V.check_logits_labels(logits, labels, ignore_index=ignore_index)
-    if labels.dim() != 2:
-        raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
-    V.check_ref_logps(ref_logps, labels)
-    if validate:
-        V.check_label_range(labels, logits.shape[-1], ignore_index)
-
-
-def _eager_logps(logits, labels, ref_logps, temperature, ignore_index):
-    logps = token_logprobs(logits, labels, temperature=temperature, ignore_index=ignore_index, validate=False)
-    return logps.to(ref_logps.dtype), labels != ignore_index
+def _eager(p, logits, labels, ref_logps, inp):
+    """The eager path of a loss: eager differentiable log-probs, then the loss's math."""
+    logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
+    return losses.compute(p, logps.to(ref_logps.dtype), ref_logps, labels != p.ignore_index, inp)
 
 
 def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
@@ -204,70 +189,46 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
     case). The gradient buffer is new (``inplace_backward=False``) or the logits themselves (``True``: the
     logits are overwritten already during the forward). Backward may then run only once for this loss.
     """
-    _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate)
-    V.check_common(clip=clip, beta=beta, temperature=temperature)
-    B = labels.shape[0]
-    V.check_grpo_args(B, labels.device, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                      loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
-    if kl_ref_logps is not None:
-        V.check_tensor("kl_ref_logps", kl_ref_logps, shape=labels.shape, dtypes=(ref_logps.dtype,),
-                       device=labels.device)
-    agg = dict(loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
-    if not ops.kernels_ok(logits, ref_logps, kl_ref_logps):
-        logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
-        return losses.grpo(logps, ref_logps, advantages, mask, clip=clip, beta=beta, epsilon_low=epsilon_low,
-                           epsilon_high=epsilon_high, kl_ref_logps=kl_ref_logps, **agg)
-    norm_t = normalizer.reshape(()) if isinstance(normalizer, torch.Tensor) else None
-    fin = (None if normalizer is None or norm_t is not None else float(normalizer), loss_type, max_completion_length)
-    if grad_in_forward and torch.is_grad_enabled() and logits.requires_grad:
-        loss, met = _GrpoGradInForward.apply(logits, labels, *_distinct(ref_logps, kl_ref_logps, advantages, norm_t),
-                                             _clip_args(clip), float(epsilon_low), float(epsilon_high), float(beta),
-                                             float(temperature), ignore_index, fin, bool(inplace_backward))
-    else:
-        terms = (ops.MODE_GRPO, _clip_args(clip), float(epsilon_low), float(epsilon_high), float(beta),
-                 float(temperature), ignore_index)
-        loss, met = _FusedLoss.apply(logits, labels, *_distinct(ref_logps, kl_ref_logps, advantages, norm_t), None,
-                                     None, None, None, "grpo", terms, fin, bool(inplace_backward))
-    return loss, ops.named_metrics("grpo", met)
-
-
-def _ratio_terms(clip, temperature, ignore_index):
-    return (ops.MODE_RATIO, _clip_args(clip), 0.2, 0.2, 0.0, float(temperature), ignore_index)
+    p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                                 loss_type=loss_type, normalizer=normalizer,
+                                 max_completion_length=max_completion_length, temperature=temperature,
+                                 ignore_index=ignore_index)
+    inp = GRPOInputs(advantages, kl_ref_logps, norm)
+    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    V.check_grpo(p, labels.shape, ref_logps, inp)
+    if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
+        return _eager(p, logits, labels, ref_logps, inp)
+    gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
+    fn = _GrpoGradInForward if gif else _FusedLoss
+    loss, met = fn.apply(p, bool(inplace_backward), logits, labels, *_distinct(ref_logps, *inp))
+    return loss, named_metrics("grpo", met)
 
 
 def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, temperature=1.0,
         ignore_index=-100, validate=True, inplace_backward=False):
     """Humanline DPO from ``logits [2P, T, V]``; same keywords and result as :func:`humanline_kernels.losses.dpo`."""
-    _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate)
-    V.check_dpo_rows(labels.shape[0])
-    V.check_common(clip=clip, beta=beta, temperature=temperature)
-    V.check_dpo_args(label_smoothing)
-    if not ops.kernels_ok(logits, ref_logps):
-        logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
-        return losses.dpo(logps, ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
-    loss, met = _FusedLoss.apply(logits, labels, ref_logps, None, None, None, None, None, None, None, "dpo",
-                                 _ratio_terms(clip, temperature, ignore_index),
-                                 (float(beta), float(label_smoothing)), bool(inplace_backward))
-    return loss, ops.named_metrics("dpo", met)
+    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, temperature=temperature,
+            ignore_index=ignore_index)
+    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    V.check_dpo(p, labels.shape[0])
+    if not ops.use_kernels(logits, ref_logps):
+        return _eager(p, logits, labels, ref_logps, NoInputs())
+    loss, met = _FusedLoss.apply(p, bool(inplace_backward), logits, labels, ref_logps)
+    return loss, named_metrics("dpo", met)
 
 
 def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
         beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, temperature=1.0, ignore_index=-100, validate=True,
         inplace_backward=False):
     """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass."""
-    _check_loss_inputs(logits, labels, ref_logps, ignore_index, validate)
-    V.check_common(clip=clip, beta=beta, temperature=temperature)
-    V.check_kto_args(labels.shape[0], labels.device, desirable, kl_logps, kl_ref_logps, kl_mask,
-                     desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    if not ops.kernels_ok(logits, ref_logps, kl_logps, kl_ref_logps):
-        logps, mask = _eager_logps(logits, labels, ref_logps, temperature, ignore_index)
-        return losses.kto(logps, ref_logps, mask, desirable, kl_logps, kl_ref_logps, kl_mask, clip=clip, **weights)
-    z0 = None
-    if losses._distributed():  # the baseline's sum and count are all-reduced across ranks first
-        z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps)
-    fin = (float(beta), float(desirable_weight), float(undesirable_weight))
-    ref, *kto_tensors = _distinct(ref_logps, desirable, kl_logps, kl_ref_logps, kl_mask, z0)
-    loss, met = _FusedLoss.apply(logits, labels, ref, None, None, *kto_tensors, "kto",
-                                 _ratio_terms(clip, temperature, ignore_index), fin, bool(inplace_backward))
-    return loss, ops.named_metrics("kto", met)
+    p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+            temperature=temperature, ignore_index=ignore_index)
+    inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
+    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    V.check_kto(p, labels.shape[0], labels.device, inp)
+    if not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
+        return _eager(p, logits, labels, ref_logps, inp)
+    if losses.distributed():  # the baseline's sum and count are all-reduced across ranks first
+        inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps))
+    loss, met = _FusedLoss.apply(p, bool(inplace_backward), logits, labels, *_distinct(ref_logps, *inp))
+    return loss, named_metrics("kto", met)

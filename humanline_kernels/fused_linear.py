@@ -4,14 +4,12 @@ r"""Humanline losses and token log-probs straight from hidden states and the lm_
 ``bias [V]``, ``labels`` shaped like ``hidden`` without ``D`` (int64, ``ignore_index`` marks tokens that do not
 count). Logits are ``z = hidden @ weight.T + bias``; everything else is the math of :mod:`humanline_kernels.reference`.
 
-How it runs (:mod:`humanline_kernels.ops.linear_chunks`): tokens go through the lm_head in chunks of at most
+How it runs (:mod:`humanline_kernels.ops.linear`): tokens go through the lm_head in chunks of at most
 ``chunk_bytes`` of logits (one reused buffer, input dtype). For the losses each chunk holds everything its loss
 coefficients need -- single tokens for GRPO, whole rows for KTO (its KL rows enter only through the baseline
 ``z0``), whole chosen/rejected pairs (rows ``j`` and ``P + j``) for DPO -- so ``g = dL/dlogp`` is known inside the
-chunk. On the kernel path (:func:`~humanline_kernels.ops.linear_chunks.run_kernels`) the row kernels and finalize
-kernels of :mod:`humanline_kernels.fused` give it and write ``dL/dz`` in place into the buffer (nine launches
-forward + backward in one chunk); elsewhere it comes from autograd on the small ``[rows, T]`` log-prob tensors
-through the factored math of :mod:`humanline_kernels.losses`, with chunk means rescaled to whole-batch means.
+chunk: the row and finalize kernels of the logits path give it and write ``dL/dz`` in place into the buffer
+(nine launches forward + backward in one chunk; on CPU tensors and fp64 their eager twins do the same steps).
 ``dh`` and the fp32 ``dW`` / ``db`` are formed during the forward pass; the backward only multiplies them by
 ``grad_output`` (device-side, no host sync). Flops: 6 N D V (no recomputed GEMM). The loss value and metrics are
 those of ``hk.losses.*`` on the full batch.
@@ -45,15 +43,16 @@ import torch
 from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
-from .ops import linear_chunks as LC
+from ._params import DPO, KTO, GRPOInputs, KTOInputs, Tokens
+from .fused import _distinct
+from .ops import linear as LC
+from .ops.constants import named_metrics
 
 __all__ = ["token_logprobs", "token_logprobs_nograd", "grpo", "dpo", "kto", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 512 << 20  # logits buffer budget: 2048 tokens of a 128k vocabulary in bf16
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-# ----------------------------------------------------------------------------------------------------- checks
 def _autocast(hidden, weight, bias):
     """Under ``torch.autocast`` run the lm_head in the autocast dtype, as ``nn.Linear`` would (autograd casts back)."""
     if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)):
@@ -61,45 +60,13 @@ def _autocast(hidden, weight, bias):
     dev = hidden.device.type
     try:
         on = torch.is_autocast_enabled(dev)
-    except TypeError:  # pragma: no cover - torch without the device_type argument
-        on = dev == "cuda" and torch.is_autocast_enabled()
+    except RuntimeError:  # a device type autocast does not know (meta: the ahead-of-time compile check)
+        on = False
     if not on or not hidden.is_floating_point():
         return hidden, weight, bias
     dt = torch.get_autocast_dtype(dev)
     with torch.autocast(dev, enabled=False):
         return hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
-
-
-def _check(hidden, weight, bias, labels, *, temperature, ignore_index, chunk_bytes, validate):
-    V.check_tensor("hidden", hidden, dtypes=_DTYPES)
-    if hidden.dim() < 2:
-        raise ValueError(f"hidden must have shape [..., D] with at least 2 dimensions, got {V._shape(hidden)}")
-    D = hidden.shape[-1]
-    V.check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
-    if weight.shape[1] != D:
-        raise ValueError(f"weight must have shape [V, D] with D = hidden.shape[-1] = {D}, got {V._shape(weight)}")
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have a non-empty vocabulary dimension (shape [V, D] with V > 0)")
-    if bias is not None:
-        V.check_tensor("bias", bias, shape=(weight.shape[0],), dtypes=(hidden.dtype,), device=hidden.device)
-    V.check_tensor("labels", labels, dtypes=(torch.int64,), device=hidden.device)
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"labels must have shape {list(hidden.shape[:-1])} (hidden without D), "
-                         f"got {V._shape(labels)}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    V.check_common(clip=None, temperature=temperature)
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    if validate:
-        V.check_label_range(labels, weight.shape[0], ignore_index)
-
-
-def _check_loss(hidden, weight, bias, labels, ref_logps, **kw):
-    _check(hidden, weight, bias, labels, **kw)
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {V._shape(hidden)}")
-    V.check_ref_logps(ref_logps, labels)
 
 
 def _need(hidden, weight, bias):
@@ -116,36 +83,51 @@ def _scaled(acc, go, dtype):
     return torch.mul(acc, go, out=out)
 
 
+def _acc(t):
+    """The accumulation dtype of the per-token outputs: fp64 for fp64 inputs (the eager twins), else fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 # ---------------------------------------------------------------------------------------------- token log-probs
 class _LinearLogprobs(torch.autograd.Function):
+    """Per-token log-probs chunk by chunk; the backward recomputes each chunk's GEMM (the per-token gradient is
+    only known then). ``kernels``: the Triton kernels or their eager twins."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, cfg):
-        temperature, ignore_index, return_entropy, rows = cfg
-        h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        logp, lse, ent, *_ = LC.run(h2, weight, bias, y, LC.token_chunks(h2.shape[0], rows),
-                                    temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy)
+    def forward(ctx, p, return_entropy, rows, kernels, hidden, weight, bias, labels):
+        LP = LC.impl(kernels)[0]
+        h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)  # tokens as one row: q = r
+        f = dict(dtype=_acc(hidden), device=hidden.device)
+        logp, lse = torch.empty(y.shape, **f), torch.empty(y.shape, **f)
+        ent = torch.empty(y.shape, **f) if return_entropy else None
+        chunks = LC.token_chunks(y.shape[1], rows)
+        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        for segs in chunks:
+            z = LC.chunk_logits(buf, h2, wt, bias, segs)
+            LP.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent), segs=segs)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.cfg = cfg
-        ent = None if ent is None else ent.view(labels.shape)
+        ctx.cfg = (p, chunks, LP)
         if ent is not None:
+            ent = ent.view(labels.shape)
             ctx.mark_non_differentiable(ent)
         return logp.view(labels.shape), ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        temperature, ignore_index, _, rows = ctx.cfg
-        h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        g = grad_logp.reshape(-1)
-        need = ctx.needs_input_grad[:3]
-        # recompute: the per-token grad_output is only known now
-        *_, dh, dw, db = LC.run(h2, weight, bias, y, LC.token_chunks(h2.shape[0], rows), temperature=temperature,
-                                ignore_index=ignore_index, coef=lambda segs, _lp: LC._gather(g, segs), lse=lse,
-                                need=need)
+        p, chunks, LP = ctx.cfg
+        h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)
+        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7])
+        g = grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
+        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        for i, segs in enumerate(chunks):
+            z = LC.chunk_logits(buf, h2, wt, bias, segs)  # recomputed: dL/dz is formed in place of the logits
+            LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=segs)
+            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
         dh = None if dh is None else dh.view(hidden.shape)
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return dh, dw, db, None, None
+        return None, None, None, None, dh, dw, db, None
 
 
 def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
@@ -158,18 +140,11 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     buffer; ``validate=False`` skips the label range check (the only host sync).
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    _check(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore_index,
-           chunk_bytes=chunk_bytes, validate=validate)
+    p = Tokens(temperature=temperature, ignore_index=ignore_index)
+    V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
     rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    cfg = (float(temperature), ignore_index, bool(return_entropy), rows)
-    if any(_need(hidden, weight, bias)):
-        logp, ent = _LinearLogprobs.apply(hidden, weight, bias, labels, cfg)
-    else:
-        logp, _, ent, *_ = LC.run(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
-                                  LC.token_chunks(labels.numel(), rows), temperature=cfg[0],
-                                  ignore_index=ignore_index, return_entropy=cfg[2])
-        logp = logp.view(labels.shape)
-        ent = None if ent is None else ent.view(labels.shape)
+    logp, ent = _LinearLogprobs.apply(p, bool(return_entropy), rows, ops.use_kernels(hidden), hidden, weight, bias,
+                                      labels)
     return (logp, ent) if return_entropy else logp
 
 
@@ -181,70 +156,75 @@ def token_logprobs_nograd(hidden, weight, labels, **kw):
 
 # -------------------------------------------------------------------------------------------------------- losses
 class _LinearLoss(torch.autograd.Function):
-    """Loss whose ``dh``, ``dW``, ``db`` were formed in the forward; the backward scales them by ``grad_output``."""
+    """``(loss, metrics [K])`` of the loss ``p`` (``inputs``: its inputs, flattened) with ``dh``, ``dW``, ``db``
+    formed in the forward; the backward scales them by ``grad_output``. ``kernels``: the Triton kernels or their
+    eager twins; ``need``: which of the three gradients to form (none without grad). The chunks
+    (:func:`~humanline_kernels.ops.linear.loss_chunks`) each hold what their coefficients need.
+
+    Per-token results (``val``, ``coef``, ``lse``, ``aux``) live in whole-batch ``[B, T]`` buffers; each chunk's
+    logits live in one reused ``[n, V]`` buffer that the row kernels address through the chunk's token ranges.
+    Per chunk:
+
+    * GRPO (row weights ``w_b = d loss / d val`` from the labels, one finalize launch before the chunks): the lm_head
+      GEMM; the token-terms kernel, which also writes ``dL/dz`` in place (``grad_out``); the ``dh`` and ``dW`` GEMMs.
+    * DPO / KTO (``w`` of a pair or row needs its whole sum, known once the chunk's row kernel ran): the GEMM; the
+      token-terms kernel; the finalize kernel over the chunk's pairs / rows (``span``), giving their ``w``; the
+      backward kernel in place (``dL/dz = w_b coef (onehot - softmax) / T``); the ``dh`` and ``dW`` GEMMs.
+
+    Then one finalize launch over the whole batch gives the loss and the metrics (skipped for DPO / KTO in one
+    chunk: the chunk's finalize was the whole batch's). A DPO chunk of some of the pairs has two token ranges
+    (chosen rows, rejected partners): its GEMMs run per range. KTO: the first chunk's finalize finds the baseline
+    ``z0`` from the KL rows (its ``kl`` metric); later launches read it from there.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, job):
-        loss, grads = _execute(hidden, weight, bias, job)
-        ctx.grads = grads  # formed here; the inputs themselves are not kept
-        ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype)
-        return loss
+    def forward(ctx, p, chunk_bytes, kernels, need, hidden, weight, bias, labels, ref, *inputs):
+        LP, TT, FIN = LC.impl(kernels)
+        B, T = labels.shape
+        chunks = LC.loss_chunks(p.name, B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        grad, grpo = any(need), p.name == "grpo"
+        f = dict(dtype=_acc(ref), device=hidden.device)
+        val, coef, lse = (torch.empty((B, T), **f) for _ in range(3))
+        out = (val, coef, lse, torch.empty((4, B, T), **f))
+        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need) if grad else (None, None, None)
+        # the per-chunk launches read these whole-batch inputs as they are: cast and made contiguous once per call
+        ref = ref.to(f["dtype"]).contiguous()
+        inp = p.Inputs(*(None if t is None else (t.to(f["dtype"]) if t.is_floating_point() else t).contiguous()
+                         for t in inputs))
+        finalize = FIN.FINALIZE[p.name]
+        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if grpo and grad else None
+        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        whole = len(chunks) == 1  # a DPO / KTO chunk's finalize is then the whole batch's
+        done = None  # (loss, metrics, w) of a finalize over the whole batch
+        for i, segs in enumerate(chunks):
+            z = LC.chunk_logits(buf, h2, wt, bias, segs)
+            TT.token_terms(z, labels, ref, p, inp, out=out, segs=segs, row_weight=w,
+                           grad_out=z if grpo and grad else None)
+            if not grad:
+                continue
+            if not grpo:
+                res = finalize(val, out[3], labels, p, inp, None if whole else LC.span(p.name, segs, T))
+                if p.name == "kto" and inp.z0 is None:  # the baseline found once, by the first chunk's launch
+                    inp = inp._replace(z0=res[1][0], kl_logps=None, kl_ref_logps=None, kl_mask=None)
+                done = res if whole else None
+                LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
+                                segs=segs)
+            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
+        loss, met, _ = done if done is not None else finalize(val, out[3], labels, p, inp)
+        ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
+        ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs))
+        ctx.mark_non_differentiable(met)
+        ctx.set_materialize_grads(False)
+        return loss, met
 
     @staticmethod
-    def backward(ctx, go):
-        (dh, dw, db), (h_shape, w_dtype, b_dtype) = ctx.grads, ctx.meta
+    def backward(ctx, go, _grad_met):
+        (dh, dw, db), (h_shape, w_dtype, b_dtype, n) = ctx.grads, ctx.meta
+        if go is None:
+            return (None,) * (9 + n)
         dh = None if dh is None else (dh * go).view(h_shape)  # one kernel: a 0-d go does not promote dh
-        return dh, _scaled(dw, go, w_dtype), _scaled(db, go, b_dtype), None
-
-
-def _execute(hidden, weight, bias, job):
-    """Run the chunks; return ``(loss, (dh, dW, db))`` and fill ``job['metrics']``."""
-    if "run" in job:  # the kernel path: the job runs its own chunks
-        loss, job["metrics"], grads = job["run"](hidden, weight, bias, job["need"])
-        return loss, grads
-    chunks, coef, finalize, need = job["chunks"], job["coef"], job["finalize"], job["need"]
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    logp, _, _, dh, dw, db = LC.run(h2, weight, bias, job["labels"].reshape(-1), chunks,
-                                    temperature=job["temperature"], ignore_index=job["ignore_index"],
-                                    coef=coef() if any(need) else None, need=need)
-    loss, metrics = finalize(logp.view(job["labels"].shape))
-    job["metrics"] = {k: v.detach() for k, v in metrics.items()}
-    return loss.detach(), (dh, dw, db)
-
-
-def _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run=None):
-    job = {"chunks": chunks, "coef": coef, "finalize": finalize, "need": _need(hidden, weight, bias),
-           "labels": labels, "temperature": float(temperature), "ignore_index": ignore_index}
-    if run is not None:
-        job["run"] = run
-    if any(job["need"]):
-        loss = _LinearLoss.apply(hidden, weight, bias, job)
-    else:
-        loss, _ = _execute(hidden, weight, bias, job)
-    return loss, job["metrics"]
-
-
-def _grad_wrt(fn, x):
-    """``d fn(x) / d x`` for a small tensor ``x`` (autograd through the factored math of ``losses``)."""
-    with torch.enable_grad():
-        x = x.detach().requires_grad_()
-        return torch.autograd.grad(fn(x).sum(), x)[0]
-
-
-def _kernel_run(kind, labels, ref_logps, clip, temperature, ignore_index, terms, fin, chunks):
-    """The ``run`` of a job on the kernel path (:func:`~humanline_kernels.ops.linear_chunks.run_kernels`)."""
-    def run(hidden, weight, bias, need):
-        return LC.run_kernels(kind, hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels, chunks, need=need,
-                              ref_logps=ref_logps, clip=clip, temperature=temperature, ignore_index=ignore_index,
-                              terms=terms, fin=fin)
-    return run
-
-
-def _rows(x, segs, T):
-    """The ``[rows, T]`` slice of a ``[B, T]`` tensor covered by a chunk's flat token ranges."""
-    if T == 0:  # rows without tokens come as one chunk of every row
-        return x
-    return torch.cat([x[s // T:e // T] for s, e in segs]) if len(segs) > 1 else x[segs[0][0] // T:segs[0][1] // T]
+        return (None,) * 4 + (dh, _scaled(dw, go, w_dtype), _scaled(db, go, b_dtype)) + (None,) * (2 + n)
 
 
 def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2,
@@ -253,51 +233,16 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     """Humanline GRPO from ``hidden [B, T, D]`` and ``weight [V, D]``; keywords and result of
     :func:`humanline_kernels.losses.grpo` plus ``bias`` and ``chunk_bytes``. Chunks are token ranges."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    _check_loss(hidden, weight, bias, labels, ref_logps, temperature=temperature, ignore_index=ignore_index,
-                chunk_bytes=chunk_bytes, validate=validate)
-    B, T = labels.shape
-    V.check_common(clip=clip, beta=beta)
-    V.check_grpo_args(B, labels.device, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                      loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
-    if kl_ref_logps is not None:
-        V.check_tensor("kl_ref_logps", kl_ref_logps, shape=labels.shape, dtypes=(ref_logps.dtype,),
-                       device=labels.device)
-    dt = ref_logps.dtype
-    terms = dict(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
-    agg = dict(loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
-    kernels = ops.kernels_ok(hidden, ref_logps, kl_ref_logps)
-    mask = None if kernels else labels != ignore_index  # eager path only: the kernels read the labels themselves
-
-    def coef():
-        # The aggregation is linear in the per-token terms: its gradient is each token's whole-batch weight.
-        w = _grad_wrt(lambda x: losses.grpo_aggregate(x, mask, **agg), torch.zeros(B, T, dtype=dt,
-                                                                                   device=mask.device))
-        w, ref, m = w.reshape(-1, 1), ref_logps.reshape(-1, 1), mask.reshape(-1, 1)
-        klr = (ref_logps if kl_ref_logps is None else kl_ref_logps).reshape(-1, 1)
-        adv = advantages.to(dt).unsqueeze(1).expand(B, T).reshape(-1)  # one "row" per token
-
-        def per_chunk(segs, lp):
-            (s, e), = segs
-
-            def weighted(x):
-                clipped = losses.clip_log_ratio(x, ref[s:e], m[s:e], clip)[0]
-                per_token = losses.grpo_token_terms(x, clipped, klr[s:e], adv[s:e], m[s:e], **terms)[0]
-                return per_token * w[s:e]
-            return _grad_wrt(weighted, lp.to(dt).unsqueeze(1)).view(-1)
-        return per_chunk
-
-    def finalize(logps):
-        return losses.grpo(logps.to(dt), ref_logps, advantages, mask, clip=clip,
-                           kl_ref_logps=kl_ref_logps, **terms, **agg)
-
-    max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    if not kernels:
-        chunks = LC.token_chunks(B * T, max_rows)
-        return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index)
-    chunks = LC.grpo_chunks(B, T, max_rows)
-    run = _kernel_run("grpo", labels, ref_logps, clip, temperature, ignore_index,
-                      dict(terms, advantages=advantages, kl_ref_logps=kl_ref_logps), agg, chunks)
-    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
+    p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                                 loss_type=loss_type, normalizer=normalizer,
+                                 max_completion_length=max_completion_length, temperature=temperature,
+                                 ignore_index=ignore_index)
+    inp = GRPOInputs(advantages, kl_ref_logps, norm)
+    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    V.check_grpo(p, labels.shape, ref_logps, inp)
+    loss, met = _LinearLoss.apply(p, chunk_bytes, ops.use_kernels(hidden, ref_logps, kl_ref_logps),
+                                  _need(hidden, weight, bias), hidden, weight, bias, labels, *_distinct(ref_logps, *inp))
+    return loss, named_metrics("grpo", met)
 
 
 def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0,
@@ -305,36 +250,13 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
     """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first); keywords and result of
     :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes``. Chunks hold whole pairs."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    _check_loss(hidden, weight, bias, labels, ref_logps, temperature=temperature, ignore_index=ignore_index,
-                chunk_bytes=chunk_bytes, validate=validate)
-    B, T = labels.shape
-    V.check_dpo_rows(B)
-    V.check_common(clip=clip, beta=beta)
-    V.check_dpo_args(label_smoothing)
-    dt, P = ref_logps.dtype, B // 2
-    kernels = ops.kernels_ok(hidden, ref_logps)
-    mask = None if kernels else labels != ignore_index  # eager path only: the kernels read the labels themselves
-
-    def coef():
-        def per_chunk(segs, lp):
-            ref, m = _rows(ref_logps, segs, T), _rows(mask, segs, T)
-            k = ref.shape[0] // 2
-
-            def chunk_loss(x):  # mean over the chunk's k pairs, rescaled to the mean over all P pairs
-                s = losses.clip_log_ratio(x, ref, m, clip)[0].sum(dim=1)
-                return losses.dpo_from_sums(s, beta=beta, label_smoothing=label_smoothing)[0] * (k / P)
-            return _grad_wrt(chunk_loss, lp.to(dt).view(2 * k, T)).view(-1)
-        return per_chunk
-
-    def finalize(logps):
-        return losses.dpo(logps.to(dt), ref_logps, mask, clip=clip, beta=beta, label_smoothing=label_smoothing)
-
-    chunks = LC.pair_chunks(B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
-    run = None
-    if kernels:
-        run = _kernel_run("dpo", labels, ref_logps, clip, temperature, ignore_index, {},
-                          dict(beta=beta, label_smoothing=label_smoothing), chunks)
-    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
+    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, temperature=temperature,
+            ignore_index=ignore_index)
+    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    V.check_dpo(p, labels.shape[0])
+    loss, met = _LinearLoss.apply(p, chunk_bytes, ops.use_kernels(hidden, ref_logps), _need(hidden, weight, bias),
+                                  hidden, weight, bias, labels, ref_logps)
+    return loss, named_metrics("dpo", met)
 
 
 def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
@@ -343,42 +265,13 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
     """Humanline KTO from ``hidden [B, T, D]``; the KL rows come as log-probs (``kl_logps``, ``kl_ref_logps``,
     ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    _check_loss(hidden, weight, bias, labels, ref_logps, temperature=temperature, ignore_index=ignore_index,
-                chunk_bytes=chunk_bytes, validate=validate)
-    B, T = labels.shape
-    V.check_common(clip=clip, beta=beta)
-    V.check_kto_args(B, labels.device, desirable, kl_logps, kl_ref_logps, kl_mask,
-                     desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    dt = ref_logps.dtype
-    weights = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    kernels = ops.kernels_ok(hidden, ref_logps, kl_logps, kl_ref_logps)
-    mask = None if kernels else labels != ignore_index  # eager path only: the kernels read the labels themselves
-    z0 = None
-    # z0 is known before any chunk runs (all-reduced across ranks under torch.distributed)
-    if losses._distributed() or not kernels:
-        z0 = losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps)
-
-    def coef():
-        def per_chunk(segs, lp):
-            ref, m, des = _rows(ref_logps, segs, T), _rows(mask, segs, T), _rows(desirable, segs, T)
-            k = ref.shape[0]
-
-            def chunk_loss(x):  # mean over the chunk's k rows, rescaled to the mean over all B rows
-                s = losses.clip_log_ratio(x, ref, m, clip)[0].sum(dim=1)
-                return losses.kto_from_sums(s, z0, des, **weights)[0] * (k / B)
-            return _grad_wrt(chunk_loss, lp.to(dt).view(k, T)).view(-1)
-        return per_chunk
-
-    def finalize(logps):
-        clipped, n_in, n = losses.clip_log_ratio(logps.to(dt), ref_logps, mask, clip)
-        loss, metrics = losses.kto_from_sums(clipped.sum(dim=1), z0, desirable, **weights)
-        metrics["unclipped_frac"] = losses._frac(n_in, n).detach()
-        return loss, metrics
-
-    chunks = LC.row_chunks(B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
-    run = None
-    if kernels:  # without torch.distributed the finalize kernel finds z0 from the KL rows itself
-        run = _kernel_run("kto", labels, ref_logps, clip, temperature, ignore_index, {},
-                          dict(weights, desirable=desirable, kl_logps=kl_logps, kl_ref_logps=kl_ref_logps,
-                               kl_mask=kl_mask, z0=z0, clip=clip), chunks)
-    return _run_loss(hidden, weight, bias, labels, chunks, coef, finalize, temperature, ignore_index, run)
+    p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+            temperature=temperature, ignore_index=ignore_index)
+    inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
+    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    V.check_kto(p, labels.shape[0], labels.device, inp)
+    if losses.distributed():  # z0 is known before any chunk runs: all-reduced across ranks
+        inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps))
+    loss, met = _LinearLoss.apply(p, chunk_bytes, ops.use_kernels(hidden, ref_logps, kl_logps, kl_ref_logps),
+                                  _need(hidden, weight, bias), hidden, weight, bias, labels, *_distinct(ref_logps, *inp))
+    return loss, named_metrics("kto", met)

@@ -6,10 +6,12 @@ sequence-level math exists once:
 
 * :func:`clip_log_ratio` - the humanline clamp and the ``unclipped_frac`` counts;
 * :func:`dpo_from_sums`, :func:`kto_from_sums`, :func:`kto_baseline` - DPO/KTO from per-row clipped sums;
-* :func:`grpo_token_terms` and :func:`grpo_aggregate` - GRPO's per-token term and its four aggregations.
+* :func:`grpo_token_terms` and :func:`grpo_aggregate` - GRPO's per-token term and its four aggregations;
+* :func:`compute` - the loss a params object (:mod:`humanline_kernels._params`) names, on checked inputs: where
+  the eager path of every input level ends (fused and fused-linear calls on CPU tensors, fp64).
 
-The fused kernels compute the per-token part in one pass over the logits and hand the per-row (DPO/KTO) or
-per-token (GRPO) results to these functions.
+The Triton kernels compute the same math in two launches (per token in the log-prob pass, then the ``[B, T]``
+tail); their eager twins (``humanline_kernels.ops.*.eager``) are written with these functions.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import torch.nn.functional as F
 
 from . import _validation as V
 from ._clip import DEFAULT_CLIP
+from ._params import DPO, GRPO, KTO, GRPOInputs, KTOInputs
 
-__all__ = ["dpo", "kto", "grpo", "clip_log_ratio", "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline",
-           "grpo_token_terms", "grpo_aggregate"]
+__all__ = ["dpo", "kto", "grpo", "compute", "clip_log_ratio", "dpo_from_sums", "kto_from_sums", "kto_baseline",
+           "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate"]
 
 
 def _frac(num, den):
@@ -58,7 +61,7 @@ def dpo_from_sums(s, *, beta, label_smoothing):
     return loss, metrics
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
     """Whether :func:`kto_baseline` all-reduces (torch.distributed initialised): the kernel paths then take ``z0``
     from it rather than from their own finalize kernel."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -68,7 +71,7 @@ def _distributed() -> bool:
 def kto_baseline(s_kl):
     """KTO's ``z0 = max(0, sum(s_kl) / #{s_kl != 0})`` (0 with no non-zero row), all-reduced across ranks."""
     total = torch.stack([s_kl.sum(), (s_kl != 0).sum().to(s_kl.dtype)])
-    if _distributed():
+    if distributed():
         torch.distributed.all_reduce(total)
     return torch.where(total[1] > 0, total[0] / total[1].clamp(min=1), 0.0).clamp(min=0.0)
 
@@ -135,50 +138,32 @@ def grpo_aggregate(per_token, mask, *, loss_type, normalizer, max_completion_len
     return per_token.sum() / (B * (T if max_completion_length is None else max_completion_length))
 
 
-def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0):
-    """Humanline DPO from ``[2P, T]`` log-probs; returns ``(loss, metrics)``. See :mod:`humanline_kernels.reference`."""
-    V.check_logps(logps, ref_logps, mask)
-    V.check_dpo_rows(logps.shape[0])
-    V.check_common(clip=clip, beta=beta)
-    V.check_dpo_args(label_smoothing)
-    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, clip)
-    loss, metrics = dpo_from_sums(clipped.sum(dim=1), beta=beta, label_smoothing=label_smoothing)
+# ------------------------------------------------------------------ each loss given its checked params
+def _dpo(p, logps, ref_logps, mask, inp):
+    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, p.clip)
+    loss, metrics = dpo_from_sums(clipped.sum(dim=1), beta=p.beta, label_smoothing=p.label_smoothing)
     metrics["unclipped_frac"] = _frac(n_in, n).detach()
     return loss, metrics
 
 
-def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
-        clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
-    """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0``."""
-    V.check_logps(logps, ref_logps, mask)
-    V.check_common(clip=clip, beta=beta)
-    V.check_kto_args(logps.shape[0], logps.device, desirable, kl_logps, kl_ref_logps, kl_mask,
-                     desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, clip)
+def _kto(p, logps, ref_logps, mask, inp):
+    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, p.clip)
     s = clipped.sum(dim=1)
-    z0 = kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, s)
-    loss, metrics = kto_from_sums(s, z0, desirable, beta=beta, desirable_weight=desirable_weight,
-                                  undesirable_weight=undesirable_weight)
+    z0 = inp.z0 if inp.z0 is not None else kto_kl_baseline(inp.kl_logps, inp.kl_ref_logps, inp.kl_mask, p.clip, s)
+    loss, metrics = kto_from_sums(s, z0.to(s.dtype), inp.desirable, beta=p.beta, desirable_weight=p.desirable_weight,
+                                  undesirable_weight=p.undesirable_weight)
     metrics["unclipped_frac"] = _frac(n_in, n).detach()
     return loss, metrics
 
 
-def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None):
-    """Humanline GRPO from ``[B, T]`` log-probs and ``advantages [B]``; returns ``(loss, metrics)``."""
-    V.check_logps(logps, ref_logps, mask)
-    V.check_common(clip=clip, beta=beta)
-    V.check_grpo_args(logps.shape[0], logps.device, advantages, epsilon_low=epsilon_low,
-                      epsilon_high=epsilon_high, loss_type=loss_type, normalizer=normalizer,
-                      max_completion_length=max_completion_length)
-    if kl_ref_logps is not None:
-        V.check_tensor("kl_ref_logps", kl_ref_logps, shape=logps.shape, dtypes=(logps.dtype,), device=logps.device)
-    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, clip)
-    per_token, k3, low, high = grpo_token_terms(
-        logps, clipped, ref_logps if kl_ref_logps is None else kl_ref_logps, advantages, mask,
-        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
-    loss = grpo_aggregate(per_token, mask, loss_type=loss_type, normalizer=normalizer,
-                          max_completion_length=max_completion_length)
+def _grpo(p, logps, ref_logps, mask, inp):
+    clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, p.clip)
+    klr = ref_logps if inp.kl_ref_logps is None else inp.kl_ref_logps
+    per_token, k3, low, high = grpo_token_terms(logps, clipped, klr, inp.advantages, mask, beta=p.beta,
+                                                epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high)
+    norm = inp.normalizer if inp.normalizer is not None else p.normalizer
+    loss = grpo_aggregate(per_token, mask, loss_type=p.loss_type, normalizer=norm,
+                          max_completion_length=p.max_completion_length)
     den = n.clamp(min=1)
     metrics = {
         "unclipped_frac": _frac(n_in, n).detach(),
@@ -187,3 +172,52 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
         "clip_frac_high": high.sum().to(n.dtype) / den,
     }
     return loss, metrics
+
+
+_LOSSES = {"dpo": _dpo, "kto": _kto, "grpo": _grpo}
+
+
+def compute(p, logps, ref_logps, mask, inp):
+    """The loss that the params object ``p`` names (:mod:`humanline_kernels._params`), on checked per-token inputs:
+    ``(loss, metrics)``. Every level's eager path ends here."""
+    return _LOSSES[p.name](p, logps, ref_logps, mask, inp)
+
+
+def grpo_params(*, clip, beta, epsilon_low, epsilon_high, loss_type, normalizer, max_completion_length, **tokens):
+    """GRPO's params and the tensor normalizer (or None): a number travels in the params, a tensor as an input."""
+    tensor = normalizer if isinstance(normalizer, torch.Tensor) else None
+    p = GRPO(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
+             normalizer=None if tensor is not None else normalizer, max_completion_length=max_completion_length,
+             **tokens)
+    return p, tensor
+
+
+# ------------------------------------------------------------------ the public functions of this level
+def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0):
+    """Humanline DPO from ``[2P, T]`` log-probs; returns ``(loss, metrics)``. See :mod:`humanline_kernels.reference`."""
+    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing)
+    V.check_logps(logps, ref_logps, mask)
+    V.check_dpo(p, logps.shape[0])
+    return _dpo(p, logps, ref_logps, mask, None)
+
+
+def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
+        clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
+    """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0``."""
+    p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
+    V.check_logps(logps, ref_logps, mask)
+    V.check_kto(p, logps.shape[0], logps.device, inp)
+    return _kto(p, logps, ref_logps, mask, inp)
+
+
+def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
+         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None):
+    """Humanline GRPO from ``[B, T]`` log-probs and ``advantages`` ``[B]`` or ``[B, T]``; returns ``(loss,
+    metrics)``."""
+    p, norm = grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                          loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
+    inp = GRPOInputs(advantages, kl_ref_logps, norm)
+    V.check_logps(logps, ref_logps, mask)
+    V.check_grpo(p, logps.shape, logps, inp)
+    return _grpo(p, logps, ref_logps, mask, inp)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from . import _validation as V
 from ._clip import DEFAULT_CLIP, HumanlineClip
+from ._params import DPO, GRPO, KTO, GRPOInputs, KTOInputs, Tokens
 
 __all__ = ["token_logprobs", "dpo", "kto", "grpo", "HumanlineClip"]
 
@@ -32,10 +33,7 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
 
     With ``return_entropy`` also returns the (detached) entropy of ``softmax(logits / temperature)``, 0 where ignored.
     """
-    V.check_logits_labels(logits, labels, ignore_index=ignore_index)
-    V.check_common(clip=None, temperature=temperature)
-    if validate:
-        V.check_label_range(labels, logits.shape[-1], ignore_index)
+    V.check_logits(logits, labels, Tokens(temperature=temperature, ignore_index=ignore_index), validate)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     mask = labels != ignore_index
     logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
@@ -69,9 +67,7 @@ def _clipped_log_ratio(logps, ref_logps, mask, clip):
 def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0):
     """Humanline DPO on ``2P`` rows: ``0..P-1`` chosen, ``P..2P-1`` their rejected partners."""
     V.check_logps(logps, ref_logps, mask)
-    V.check_dpo_rows(logps.shape[0])
-    V.check_common(clip=clip, beta=beta)
-    V.check_dpo_args(label_smoothing)
+    V.check_dpo(DPO(clip=clip, beta=beta, label_smoothing=label_smoothing), logps.shape[0])
     clipped, unclipped_frac = _clipped_log_ratio(logps, ref_logps, mask, clip)
     s = clipped.sum(dim=1)
     P = s.shape[0] // 2
@@ -94,10 +90,8 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
         clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
     """Humanline KTO. ``desirable [B]`` bool; the KL rows (mismatched pairs) only set the baseline ``z0``."""
     V.check_logps(logps, ref_logps, mask)
-    B = logps.shape[0]
-    V.check_common(clip=clip, beta=beta)
-    V.check_kto_args(B, logps.device, desirable, kl_logps, kl_ref_logps, kl_mask,
-                     desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    V.check_kto(KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight),
+                logps.shape[0], logps.device, KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask))
     clipped, unclipped_frac = _clipped_log_ratio(logps, ref_logps, mask, clip)
     s = clipped.sum(dim=1)
     with torch.no_grad():
@@ -130,11 +124,11 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     """Humanline GRPO: the ratio's denominator is the (humanline-synced) reference; ``advantages [B]``."""
     V.check_logps(logps, ref_logps, mask)
     B, T = logps.shape
-    V.check_common(clip=clip, beta=beta)
-    V.check_grpo_args(B, logps.device, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                      loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
-    if kl_ref_logps is not None:
-        V.check_tensor("kl_ref_logps", kl_ref_logps, shape=logps.shape, dtypes=(logps.dtype,), device=logps.device)
+    norm_t = normalizer if isinstance(normalizer, torch.Tensor) else None
+    V.check_grpo(GRPO(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
+                      normalizer=None if norm_t is not None else normalizer,
+                      max_completion_length=max_completion_length),
+                 logps.shape, logps, GRPOInputs(advantages, kl_ref_logps, norm_t))
     clipped, unclipped_frac = _clipped_log_ratio(logps, ref_logps, mask, clip)
     A = advantages.to(logps.dtype).unsqueeze(1)
     ratio = torch.exp(clipped)

@@ -87,7 +87,10 @@ def _install(arch, compiled):
 def _cases():
     """``(name, aligned, call)``: each call drives the real launch wrappers once."""
     from humanline_kernels import HumanlineClip
-    from humanline_kernels import ops
+    from humanline_kernels import _params as P
+    from humanline_kernels.ops.finalize import kernel as FK
+    from humanline_kernels.ops.logprobs import kernel as LPK
+    from humanline_kernels.ops.token_terms import kernel as TK
 
     clip = HumanlineClip(-1.5, 1.5)
 
@@ -102,55 +105,57 @@ def _cases():
         adv = torch.empty((B,), dtype=torch.float32, device="meta")
         return x, y, f, adv, aligned
 
-    def terms(shape_name, dtype, mode, use_clip, kl_ref, grad):
+    def terms(shape_name, dtype, mode, use_clip, kl_ref, grad, adv_per_token=False):
         x, y, f, adv, _ = tensors(shape_name, dtype)
-        kw = dict(mode=mode, clip=clip if use_clip else None, temperature=0.7, ignore_index=-100)
-        if mode == ops.MODE_GRPO:
-            kw.update(advantages=adv, beta=0.04, kl_ref_logps=f if kl_ref else None)
+        c = clip if use_clip else None
+        if mode == P.MODE_GRPO:
+            p = P.GRPO(clip=c, beta=0.04, temperature=0.7)
+            inp = P.GRPOInputs(f if adv_per_token else adv, f if kl_ref else None)
+            kw = {}
             if grad:
-                kw.update(row_weight=adv, grad_out=x if grad == "inplace" else torch.empty_like(x))
-        ops.token_terms_fwd(x, y, f, **kw)
+                kw = dict(row_weight=adv, grad_out=x if grad == "inplace" else torch.empty_like(x))
+            TK.token_terms(x, y, f, p, inp, **kw)
+        else:
+            TK.token_terms(x, y, f, P.DPO(clip=c, temperature=0.7))
 
     def fwd(shape_name, dtype, entropy):
         x, y, *_ = tensors(shape_name, dtype)
-        ops.logprobs_fwd(x, y, 0.7, -100, entropy)
+        LPK.logprobs_fwd(x, y, 0.7, -100, entropy)
 
     def bwd(shape_name, dtype, inplace):
         x, y, f, *_ = tensors(shape_name, dtype)
-        ops.logprobs_bwd(x, y, f, f, 0.7, -100, out=x if inplace else None)
+        LPK.logprobs_bwd(x, y, f, f, 0.7, -100, out=x if inplace else None)
 
     def loss_bwd(shape_name, dtype, inplace):
         x, y, f, adv, _ = tensors(shape_name, dtype)
-        ops.loss_bwd(x, y, f, f, adv, torch.empty((), dtype=torch.float32, device="meta"), 0.7, -100,
-                     out=x if inplace else None)
+        LPK.logprobs_bwd(x, y, f, f, 0.7, -100, out=x if inplace else None, row_weight=adv,
+                         grad_loss=torch.empty((), dtype=torch.float32, device="meta"))
 
     def linear(kind, dtype, split):
-        # the fused-linear driver as it runs: each chunk's logits in an [n, V] buffer addressed through its token
-        # ranges, outputs written into whole-batch buffers; GRPO chunks of whole rows or of tokens (split), DPO
-        # chunks of all pairs (one range) or of some (two ranges), KTO chunks of rows
-        from humanline_kernels.ops import linear_chunks as LC
+        # the fused-linear paths as they run (public functions, their chunk loops): each chunk's logits in an
+        # [n, V] buffer addressed through its token ranges, outputs written into whole-batch buffers; GRPO chunks
+        # of whole rows or of tokens (split), DPO chunks of all pairs (one range) or of some (two ranges), KTO chunks
+        # of rows; plain log-probs forward and (recomputing) backward
+        import humanline_kernels as hk
         B, T, V, D = 4, 16, 32000, 64
-        h = torch.empty((B * T, D), dtype=dtype, device="meta")
-        w = torch.empty((V, D), dtype=dtype, device="meta")
+        h = torch.empty((B, T, D), dtype=dtype, device="meta", requires_grad=True)
+        w = torch.empty((V, D), dtype=dtype, device="meta", requires_grad=True)
         y = torch.empty((B, T), dtype=torch.int64, device="meta")
         f = torch.empty((B, T), dtype=torch.float32, device="meta")
-        adv = torch.empty((B,), dtype=torch.float32, device="meta")
-        terms, fin = {}, {}
+        rows = {"grpo": 12 if split else 2 * T, "dpo": 2 * T if split else B * T, "kto": T if split else B * T,
+                "token_logprobs": 12 if split else B * T}[kind]
+        kw = dict(chunk_bytes=rows * V * h.element_size(), validate=False)
         if kind == "grpo":
-            chunks = LC.grpo_chunks(B, T, 12 if split else 2 * T)
-            terms = dict(advantages=adv, kl_ref_logps=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2)
-            fin = dict(loss_type="dapo", normalizer=None, max_completion_length=None)
+            hk.fused_linear.grpo(h, w, y, f, torch.empty((B,), device="meta"), beta=0.04, **kw)
         elif kind == "dpo":
-            chunks = LC.pair_chunks(B, T, 2 * T if split else B * T)
-            fin = dict(beta=0.1, label_smoothing=0.0)
-        else:
-            chunks = LC.row_chunks(B, T, T if split else B * T)
+            hk.fused_linear.dpo(h, w, y, f, **kw)
+        elif kind == "kto":
             kl = torch.empty((B, 3), dtype=torch.float32, device="meta")
-            fin = dict(desirable=torch.empty((B,), dtype=torch.bool, device="meta"), kl_logps=kl, kl_ref_logps=kl,
-                       kl_mask=torch.empty((B, 3), dtype=torch.bool, device="meta"), z0=None, beta=0.1,
-                       desirable_weight=1.0, undesirable_weight=1.0, clip=clip)
-        LC.run_kernels(kind, h, w, None, y, chunks, need=(True, True, False), ref_logps=f, clip=clip,
-                       temperature=1.0, ignore_index=-100, terms=terms, fin=fin)
+            hk.fused_linear.kto(h, w, y, f, torch.empty((B,), dtype=torch.bool, device="meta"), kl, kl,
+                                torch.empty((B, 3), dtype=torch.bool, device="meta"), **kw)
+        else:
+            lp, _ = hk.fused_linear.token_logprobs(h, w, y, return_entropy=True, **kw)
+            lp.backward(torch.empty_like(lp))
 
     def finalize(shape_name, kind, variant, labels_view=True):
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
@@ -158,21 +163,20 @@ def _cases():
             y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]
         aux = torch.empty((4, *f.shape), dtype=torch.float32, device="meta")
         if kind == "dpo":
-            ops.dpo_finalize(f, aux, y, ignore_index=-100, beta=0.1, label_smoothing=0.0)
+            FK.dpo_finalize(f, aux, y, P.DPO())
         elif kind == "kto":
             des = torch.empty(adv.shape, dtype=torch.bool, device="meta")
             kl = (f[:, :3], f[:, :3], torch.empty((f.shape[0], 3), dtype=torch.bool, device="meta"))
-            ops.kto_finalize(f, aux, y, des, *(kl if variant == "kl_rows" else (None,) * 3),
-                             z0=adv[0] if variant == "z0" else None, ignore_index=-100, beta=0.1,
-                             desirable_weight=1.0, undesirable_weight=1.0, clip=clip)
+            inp = P.KTOInputs(des, *(kl if variant == "kl_rows" else (None,) * 3), adv[0] if variant == "z0" else None)
+            FK.kto_finalize(f, aux, y, P.KTO(clip=clip), inp)
         else:
             norm = torch.empty((), dtype=torch.float32, device="meta") if variant == "norm_tensor" else None
-            ops.grpo_finalize(None if variant == "weights" else f, aux, y, ignore_index=-100, loss_type="grpo",
-                              normalizer=norm)
+            FK.grpo_finalize(None if variant == "weights" else f, aux, y, P.GRPO(loss_type="grpo"),
+                             P.GRPOInputs(adv, None, norm))
 
     def scale(shape_name, dtype):
         x, *_ = tensors(shape_name, dtype)
-        ops.scale_rows_(x, torch.empty((), dtype=torch.float32, device="meta"))
+        LPK.scale_rows_(x, torch.empty((), dtype=torch.float32, device="meta"))
 
     cases = []
     for dn, dt in DTYPES.items():
@@ -183,6 +187,8 @@ def _cases():
         for use_clip, kl_ref, grad in itertools.product((False, True), (False, True), (None, "new", "inplace")):
             cases.append((f"terms mode=2 clip={use_clip} kl_ref={kl_ref} grad={grad} {dn} aligned", True,
                           lambda dt=dt, c=use_clip, k=kl_ref, g=grad: terms("aligned", dt, 2, c, k, g)))
+        cases.append((f"terms mode=2 advantages [B, T] {dn} aligned", True,
+                      lambda dt=dt: terms("aligned", dt, 2, True, False, "new", True)))
         for ent in (False, True):
             cases.append((f"logprobs_fwd entropy={ent} {dn} aligned", True, lambda dt=dt, e=ent: fwd("aligned", dt, e)))
         for inplace in (False, True):
@@ -209,7 +215,7 @@ def _cases():
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
                 cases.append((f"loss_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: loss_bwd(s, dt, False)))
     for dn in ("bf16", "fp32"):
-        for kind, split in itertools.product(("grpo", "dpo", "kto"), (False, True)):
+        for kind, split in itertools.product(("grpo", "dpo", "kto", "token_logprobs"), (False, True)):
             cases.append((f"fused_linear {kind} split={split} {dn}", True,
                           lambda dt=DTYPES[dn], k=kind, sp=split: linear(k, dt, sp)))
     # the [B, T] tail: one program over small fp32 tensors, not a row-streaming kernel, so no 16-byte load rule
@@ -231,8 +237,8 @@ def _all_kernels():
 
     import humanline_kernels.ops as pkg
     fns = {}
-    for m in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"{pkg.__name__}.{m.name}")
+    for m in pkgutil.walk_packages(pkg.__path__, prefix=pkg.__name__ + "."):
+        mod = importlib.import_module(m.name)
         fns.update({v.fn.__name__: v for v in vars(mod).values() if isinstance(v, JITFunction)})
     called = {n for f in fns.values() for n in f.fn.__code__.co_names if n in fns}
     return sorted(set(fns) - called)

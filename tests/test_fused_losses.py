@@ -5,7 +5,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import humanline_kernels as hk
-from humanline_kernels import ops
+from humanline_kernels import _params as P
+from humanline_kernels.ops.constants import METRICS
+from humanline_kernels.ops.finalize import eager as FE
+from humanline_kernels.ops.finalize import kernel as FK
+from humanline_kernels.ops.logprobs import kernel as LPK
+from humanline_kernels.ops.token_terms import eager as TE
+from humanline_kernels.ops.token_terms import kernel as TK
 
 GTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -107,12 +113,12 @@ def test_eager_fallback(monkeypatch):
     x, y, ref = _data(2, 4, 60, seed=7)
     _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(loss_type="grpo", grad_in_forward=True))
     _run("dpo", x, y, ref, (), {})
-    # the op-level eager fallback of the fused GRPO gradient (used by the fused-linear path on CPU)
+    # the eager twins of the fused GRPO gradient (the fused-linear path on CPU): weights, then terms + gradient
     x3, mask = x[:, :-1], y != -100
-    w = ops.grpo_row_weights(mask, loss_type="dapo")
+    p, inp = P.GRPO(), P.GRPOInputs(torch.tensor([1.0, -1.0]))
+    w = FE.grpo_finalize(None, None, y, p, inp)[2]
     out = torch.empty_like(x3)
-    val, coef, lse, aux = ops.grpo_fwd_grad(x3, y, ref, torch.tensor([1.0, -1.0]), w, out=out,
-                                            clip=hk.HumanlineClip(), temperature=1.0, ignore_index=-100)
+    TE.token_terms(x3, y, ref, p, inp, row_weight=w, grad_out=out)
     leaf = x3.detach().clone().requires_grad_()
     hk.reference.grpo(hk.reference.token_logprobs(leaf, y), ref, torch.tensor([1.0, -1.0]), mask)[0].backward()
     torch.testing.assert_close(out, leaf.grad, atol=1e-6, rtol=1e-5)
@@ -154,76 +160,37 @@ def test_property_grpo(B, T, V, seed, gif):
 
 
 def test_opcheck():
+    """Every launcher's torch.library op: schema, fake tensors, autograd registration, AOT dispatch."""
     x, y, ref = _data(2, 3, 40)
     x3 = x[:, :-1]
-    lse = ops.logprobs_fwd(x3, y, 1.0, -100, False)[1]
-    g = torch.randn(2, 3)
+    lse = LPK.logprobs_fwd(x3, y, 1.0, -100, False)[1]
+    g, w, f = torch.randn(2, 3), torch.randn(2), torch.empty(2, 3)
+    aux, met = torch.rand(4, 2, 3), torch.empty(4)
     hl = torch.ops.humanline
+    grpo_scalars = (2, True, -1.5, 1.5, 0.8, 1.2, 0.1, 1.0, -100, 6, 0, 0)
     cases = [
-        (hl.logprobs_fwd, (x3, y, 0.9, -100, True)),
-        (hl.logprobs_bwd, (x3, y, lse, g, 0.9, -100)),
-        (hl.logprobs_bwd_, (x.clone()[:, :-1], y, lse, g, 1.0, -100)),
-        (hl.token_terms, (x3, y, ref, None, torch.ones(2), 2, True, -1.5, 1.5, 0.2, 0.2, 0.1, 1.0, -100)),
-        (hl.grpo_grad_fwd, (x3, y, ref, ref, torch.ones(2), torch.ones(2), torch.empty_like(x3), True, -1.5, 1.5,
-                            0.2, 0.2, 0.1, 1.0, -100)),
-        (hl.grpo_grad_fwd_, (x.clone()[:, :-1], y, ref, ref, torch.ones(2), torch.ones(2), True, -1.5, 1.5, 0.2,
-                             0.2, 0.1, 1.0, -100)),
-        (hl.logprobs_fwd, (x3, y, 1.0, -100, False)),
-        (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor(2.0))),
-        (hl.loss_bwd, (x3, y, lse, g, torch.randn(2), torch.tensor(1.5), 0.9, -100)),
-        (hl.loss_bwd_, (x.clone()[:, :-1], y, lse, g, torch.randn(2), torch.tensor(1.5), 1.0, -100)),
-        (hl.dpo_finalize, (g, torch.rand(4, 2, 3), y, -100, 0.1, 0.1)),
-        (hl.kto_finalize, (g, torch.rand(4, 2, 3), y, torch.tensor([True, False]), g, g - 1, y != -100, None, -100,
-                           0.1, 1.0, 1.0, True, -1.5, 1.5)),
-        (hl.grpo_finalize, (g, torch.rand(4, 2, 3), y, None, None, -100, "grpo", None)),
-        (hl.grpo_finalize, (None, None, y, torch.tensor(2.0), None, -100, "dapo", None)),
+        (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), torch.empty(2, 3), 1 / 0.9, -100, 6, 0, 0)),
+        (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), None, 1.0, -100, 6, 0, 0)),
+        (hl.logprobs_bwd_out, (x3, y, lse, g, None, None, torch.empty_like(x3), 1 / 0.9, -100, 6, 0, 0)),
+        (hl.logprobs_bwd_out, (x3, y, lse, g, w, torch.tensor([1.5]), torch.empty_like(x3), 1.0, -100, 6, 0, 0)),
+        (hl.logprobs_bwd_inplace, (x.clone()[:, :-1], y, lse, g, w, torch.tensor([1.5]), None, 1.0, -100, 6, 0,
+                                   0)),
+        (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor([2.0]))),
+        (hl.token_terms_out, (x3, y, ref, None, torch.ones(2), None, None, False, f, f.clone(), f.clone(),
+                              aux.clone(), *grpo_scalars)),
+        (hl.token_terms_out, (x3, y, ref, ref, torch.ones(2), w, torch.empty_like(x3), False, f, f.clone(),
+                              f.clone(), aux.clone(), *grpo_scalars)),
+        (hl.token_terms_inplace, (x.clone()[:, :-1], y, ref, None, torch.ones(2), w, None, True, f, f.clone(),
+                                  f.clone(), aux.clone(), *grpo_scalars)),
+        (hl.dpo_finalize_out, (g, aux, y, torch.empty(()), torch.empty(5), torch.empty(2), 0.1, 0.1, -100, 0, 1)),
+        (hl.kto_finalize_out, (g, aux, y, torch.tensor([True, False]), g, g - 1, y != -100, None, torch.empty(()),
+                               met, torch.empty(2), 0.1, 1.0, 1.0, True, -1.5, 1.5, -100, 0, 2)),
+        (hl.grpo_finalize_out, (g, aux, y, None, torch.empty(()), met, torch.empty(2), 1, 0.0, 0, -100)),
+        (hl.grpo_finalize_out, (None, None, y, torch.tensor([2.0]), torch.empty(()), met, torch.empty(2), 0, 0.0, 0,
+                                -100)),
     ]
-    for op, args in cases:  # every opcheck utility: schema, fake tensors, autograd registration, AOT dispatch
+    for op, args in cases:
         torch.library.opcheck(op, args)
-
-
-def test_compile_fullgraph_step():
-    x, y, ref = _data(2, 3, 40)
-    w = torch.randn(40, 8, requires_grad=True)
-    h = torch.randn(2, 4, 8)
-
-    def step(h, w):
-        logits = h @ w.t()
-        loss, m = hk.fused.grpo(logits[:, :-1], y, ref, torch.ones(2), validate=False)
-        loss2, _ = hk.fused.grpo(logits[:, :-1], y, ref, torch.ones(2), validate=False, grad_in_forward=True)
-        lp = hk.token_logprobs(logits[:, :-1], y, validate=False)
-        loss3, _ = hk.fused.dpo(logits[:, :-1], y, ref, validate=False)
-        loss4, m4 = hk.fused.kto(logits[:, :-1], y, ref, torch.tensor([True, False]), ref, ref - 0.5, y != -100,
-                                 validate=False)
-        return loss + 0.5 * loss2 + lp.sum() * 0.01 + loss3 + loss4, m["kl"] + m4["kl"]
-
-    torch._dynamo.reset()
-    cl, _ = torch.compile(step, fullgraph=True, backend="aot_eager")(h, w)
-    (gc,) = torch.autograd.grad(cl, w)
-    el, _ = step(h, w)
-    (ge,) = torch.autograd.grad(el, w)
-    torch.testing.assert_close(cl, el)
-    torch.testing.assert_close(gc, ge)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gif", [False, True])
-def test_gpu_compile_inductor_and_large_vocab(gif, compiled_kernels):
-    V = 151936
-    x = torch.randn(4, 33, V, device="cuda", dtype=torch.bfloat16) * 2
-    y = torch.randint(0, V, (4, 32), device="cuda")
-    ref = hk.reference.token_logprobs(x[:, :-1].float(), y) + 0.5 * torch.randn(4, 32, device="cuda")
-    adv = torch.randn(4, device="cuda")
-    xr = x.float().requires_grad_()
-    lr, _ = hk.reference.grpo(hk.reference.token_logprobs(xr[:, :-1], y), ref, adv, y != -100)
-    lr.backward()
-    xk = x.detach().requires_grad_()
-    fn = torch.compile(lambda z: hk.fused.grpo(z[:, :-1], y, ref, adv, grad_in_forward=gif, validate=False)[0],
-                       fullgraph=True)
-    lk = fn(xk)
-    lk.backward()
-    torch.testing.assert_close(lk, lr.detach(), atol=2e-3, rtol=1e-3)
-    assert ((xk.grad.float() - xr.grad).norm() / xr.grad.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("agg", [dict(loss_type="dapo"), dict(loss_type="bnpo", normalizer=6.5),
@@ -231,7 +198,8 @@ def test_gpu_compile_inductor_and_large_vocab(gif, compiled_kernels):
                                  dict(loss_type="dr_grpo"), dict(loss_type="dr_grpo", max_completion_length=11)])
 @pytest.mark.parametrize("empty", ["none", "row", "all"])
 def test_grpo_row_weights_match_grpo_aggregate(agg, empty):
-    """ops.grpo_row_weights (used by grad_in_forward) restates d grpo_aggregate / d per_token: pin them together."""
+    """The GRPO finalize kernel's row weights (what grad_in_forward scales the gradient by, written without the
+    terms) restate d grpo_aggregate / d per_token: pin them together."""
     g = torch.Generator().manual_seed(11)
     mask = torch.rand(4, 6, generator=g) > 0.3
     if empty == "row":
@@ -241,7 +209,9 @@ def test_grpo_row_weights_match_grpo_aggregate(agg, empty):
     full = dict(dict(normalizer=None, max_completion_length=None), **agg)
     x = torch.randn(4, 6, generator=g).requires_grad_()
     hk.losses.grpo_aggregate(torch.where(mask, x, 0.0), mask, **full).backward()
-    w = ops.grpo_row_weights(mask, **agg)
+    labels = torch.where(mask, 0, -100)
+    p, norm = hk.losses.grpo_params(clip=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, **full)
+    w = FK.grpo_finalize(None, None, labels, p, P.GRPOInputs(torch.ones(4), None, norm))[2]
     assert w.shape == (4,) and w.dtype == torch.float32
     torch.testing.assert_close(torch.where(mask, w[:, None].expand(4, 6), 0.0), x.grad, atol=0, rtol=1e-6)
 
@@ -256,20 +226,20 @@ def test_grpo_grad_in_forward_second_backward_raises():
         (loss * 2.0).backward()
 
 
-@pytest.mark.parametrize("interp", ["1", "0"])
-def test_clip_band_ends_pass_gradient(interp, monkeypatch):
+@pytest.mark.parametrize("twin", ["kernel", "eager"])
+def test_clip_band_ends_pass_gradient(twin):
     """delta exactly on a band end: inside for the gradient (torch.clamp), outside for unclipped_frac (strict)."""
-    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    TT = TK if twin == "kernel" else TE
     x = torch.zeros(1, 4, 1)  # V = 1: logp == 0 exactly, so delta == -ref exactly
     y = torch.zeros(1, 4, dtype=torch.long)
     y[0, 3] = -100
     ref = torch.tensor([[-1.5, 1.5, 0.0, 0.0]])
-    kw = dict(clip=hk.HumanlineClip(-1.5, 1.5), temperature=1.0, ignore_index=-100)
-    val, coef, _, aux = ops.token_terms_fwd(x, y, ref, mode=ops.MODE_RATIO, **kw)
+    val, coef, _, aux = TT.token_terms(x, y, ref, P.DPO(clip=hk.HumanlineClip(-1.5, 1.5)))
     assert val.tolist() == [[1.5, -1.5, 0.0, 0.0]] and coef.tolist() == [[1.0, 1.0, 1.0, 0.0]]
     assert aux[0].tolist() == [[0.0, 0.0, 1.0, 0.0]]
     adv = torch.tensor([-1.0])
-    val, coef, _, aux = ops.token_terms_fwd(x, y, ref, mode=ops.MODE_GRPO, advantages=adv, beta=0.1, **kw)
+    val, coef, _, aux = TT.token_terms(x, y, ref, P.GRPO(clip=hk.HumanlineClip(-1.5, 1.5), beta=0.1),
+                                       P.GRPOInputs(adv))
     lp = torch.zeros(1, 4, requires_grad=True)
     loss, m = hk.losses.grpo(lp, ref, adv, y != -100, beta=0.1, normalizer=1.0)
     loss.backward()
@@ -307,9 +277,9 @@ _FINALIZE_CASES = {  # name -> (kind, B, T, V, dtype, loss keywords)
 
 
 @pytest.mark.parametrize("case", list(_FINALIZE_CASES))
-def test_finalize_kernels_and_eager_twins_match_reference(case, monkeypatch):
-    """The [B, T] tail exists twice: the finalize kernels (issue 16; interpreter here) and their eager twins in
-    ops/terms_eager.py (hk.losses' functions). Both against hk.reference: loss, every metric, and the backward
+def test_finalize_kernels_and_eager_twins_match_reference(case):
+    """The [B, T] tail exists twice: the finalize kernels (interpreter here) and their eager twins
+    (ops/finalize/eager.py, hk.losses' functions). Both against hk.reference: loss, every metric, and the backward
     weight ``w[b] * coef[b, t] = d loss / d logp[b, t]``; and against each other."""
     kind, B, T, V, dtype, kw = _FINALIZE_CASES[case]
     kw = dict(kw)
@@ -318,22 +288,18 @@ def test_finalize_kernels_and_eager_twins_match_reference(case, monkeypatch):
         y[:] = -100
     x3, mask, g = x[:, :-1], y != -100, torch.Generator().manual_seed(1)
     clip, temperature = kw.pop("clip", _CLIP), kw.pop("temperature", 1.0)
-    tkw = dict(clip=clip, temperature=temperature, ignore_index=-100)
     logps = hk.reference.token_logprobs(x3.float(), y, temperature=temperature).requires_grad_()
     if kind == "grpo":
         adv = torch.randn(B, generator=g)
         kl_ref = ref + 0.2 * torch.randn(B, T, generator=g) if kw.pop("kl_ref", False) else None
-        beta = kw.pop("beta", 0.0)
-        terms = ops.token_terms_fwd(x3, y, ref, mode=ops.MODE_GRPO, advantages=adv, beta=beta, kl_ref_logps=kl_ref,
-                                    **tkw)
-        loss_r, met_r = hk.reference.grpo(logps, ref, adv, mask, clip=clip, beta=beta, kl_ref_logps=kl_ref, **kw)
-        kw.setdefault("loss_type", "dapo")
-        finalize = lambda: ops.grpo_finalize(*terms[::3], y, ignore_index=-100, **kw)  # noqa: E731
+        loss_r, met_r = hk.reference.grpo(logps, ref, adv, mask, clip=clip, kl_ref_logps=kl_ref, **kw)
+        p, norm = hk.losses.grpo_params(**dict(dict(clip=clip, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
+                                                    loss_type="dapo", normalizer=None, max_completion_length=None),
+                                               **kw), temperature=temperature)
+        inp = P.GRPOInputs(adv, kl_ref, norm)
     elif kind == "dpo":
-        terms = ops.token_terms_fwd(x3, y, ref, mode=ops.MODE_RATIO, **tkw)
         loss_r, met_r = hk.reference.dpo(logps, ref, mask, clip=clip, **kw)
-        fkw = dict(beta=kw.get("beta", 0.1), label_smoothing=kw.get("label_smoothing", 0.0))
-        finalize = lambda: ops.dpo_finalize(*terms[::3], y, ignore_index=-100, **fkw)  # noqa: E731
+        p, inp = P.DPO(clip=clip, temperature=temperature, **kw), None
     else:
         des = torch.arange(B) % 2 == 0
         kl = ()
@@ -341,40 +307,38 @@ def test_finalize_kernels_and_eager_twins_match_reference(case, monkeypatch):
             kl_m = torch.rand(B + 1, T + 2, generator=g) > 0.3
             kl_m[1] = False  # a KL row that sums to 0 does not count in z0
             kl = (torch.randn(B + 1, T + 2, generator=g) * 0.6 + 0.5, torch.zeros(B + 1, T + 2), kl_m)
-        terms = ops.token_terms_fwd(x3, y, ref, mode=ops.MODE_RATIO, **tkw)
         loss_r, met_r = hk.reference.kto(logps, ref, mask, des, *kl, clip=clip, **kw)
-        fkw = dict(dict(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0), **kw)
-        finalize = lambda: ops.kto_finalize(*terms[::3], y, des, *kl, ignore_index=-100, clip=clip, **fkw)  # noqa
+        p, inp = P.KTO(clip=clip, temperature=temperature, **kw), P.KTOInputs(des, *kl)
+    val, coef, _lse, aux = TK.token_terms(x3, y, ref, p, inp)
     (grad_r,) = torch.autograd.grad(loss_r, logps)
     results = {}
-    for interp in ("1", "0"):
-        monkeypatch.setenv("TRITON_INTERPRET", interp)
-        loss, met, w = results[interp] = finalize()
-        assert loss.shape == () and met.shape == (len(ops.METRICS[kind]),) and w.shape == (B,)
+    for twin, FIN in (("kernel", FK), ("eager", FE)):
+        loss, met, w = results[twin] = FIN.FINALIZE[kind](val, aux, y, p, inp)
+        assert loss.shape == () and met.shape == (len(METRICS[kind]),) and w.shape == (B,)
         torch.testing.assert_close(loss, loss_r.detach(), atol=2e-5, rtol=1e-5)
-        for name, value in zip(ops.METRICS[kind], met):
+        for name, value in zip(METRICS[kind], met):
             torch.testing.assert_close(value, met_r[name].detach(), atol=2e-5, rtol=1e-5, msg=name)
-        torch.testing.assert_close(torch.where(mask, w[:, None] * terms[1], 0.0), grad_r, atol=1e-5, rtol=1e-5)
-    for a, b in zip(results["1"], results["0"]):
+        torch.testing.assert_close(torch.where(mask, w[:, None] * coef, 0.0), grad_r, atol=1e-5, rtol=1e-5)
+    for a, b in zip(results["kernel"], results["eager"]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_grpo_finalize_weights_only_is_grpo_row_weights(loss_type):
-    """Without terms the GRPO finalize kernel writes the gradient-in-forward weights: ops.grpo_row_weights'."""
+def test_grpo_finalize_weights_only_matches_the_eager_twin(loss_type):
+    """Without terms the GRPO finalize kernel writes the gradient-in-forward weights: its eager twin's."""
     x, y, ref = _data(5, 6, 30, seed=14)
-    w = ops.grpo_finalize(None, None, y, ignore_index=-100, loss_type=loss_type)[2]
-    torch.testing.assert_close(w, ops.grpo_row_weights(y != -100, loss_type=loss_type), atol=0, rtol=1e-6)
+    p, inp = P.GRPO(loss_type=loss_type), P.GRPOInputs(torch.ones(5))
+    w = FK.grpo_finalize(None, None, y, p, inp)[2]
+    torch.testing.assert_close(w, FE.grpo_finalize(None, None, y, p, inp)[2], atol=0, rtol=1e-6)
 
 
 def test_kto_finalize_given_z0():
     """The distributed path hands the kernel an all-reduced z0 instead of the KL rows."""
     x, y, ref = _data(4, 5, 60, seed=15)
-    terms = ops.token_terms_fwd(x[:, :-1], y, ref, mode=ops.MODE_RATIO, clip=_CLIP, temperature=1.0,
-                                ignore_index=-100)
+    p = P.KTO(clip=_CLIP, beta=0.2, undesirable_weight=1.5)
+    val, _coef, _lse, aux = TK.token_terms(x[:, :-1], y, ref, p)
     des = torch.tensor([True, False, False, True])
-    kw = dict(ignore_index=-100, beta=0.2, desirable_weight=1.0, undesirable_weight=1.5, clip=_CLIP)
-    got = ops.kto_finalize(*terms[::3], y, des, z0=torch.tensor(0.37), **kw)
+    got = FK.kto_finalize(val, aux, y, p, P.KTOInputs(des, z0=torch.tensor(0.37)))
     logps = hk.reference.token_logprobs(x[:, :-1], y)
     # a KL row whose clipped sum is 0.37 gives the same baseline
     kl = (torch.full((1, 1), 0.37), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool))

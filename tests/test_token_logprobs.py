@@ -5,6 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 import humanline_kernels as hk
 from humanline_kernels import ops
+from humanline_kernels.ops.logprobs import eager as LPE
+from humanline_kernels.ops.logprobs import kernel as LPK
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-3, 1e-2), torch.float16: (2e-3, 1e-2)}
 
@@ -86,24 +88,24 @@ def test_inplace_backward_4d_view_that_reshape_copies():
 
 
 def test_ops_contract_and_inplace_out():
-    """ops.logprobs_fwd/bwd (used by the fused-linear path) against the eager ops on the same view."""
+    """LPK.logprobs_fwd/bwd (used by the fused-linear path) against the eager ops on the same view."""
     x, y = _data(2, 4, 200, torch.float32)
     v = x[:, :-1]
-    lp, lse, ent = ops.logprobs_fwd(v, y, 1.0, -100, False)
-    elp, else_, _ = ops.eager.logprobs_fwd(v, y, 1.0, -100, False)
+    lp, lse, ent = LPK.logprobs_fwd(v, y, 1.0, -100, False)
+    elp, else_, _ = LPE.logprobs_fwd(v, y, 1.0, -100, False)
     assert ent is None
     torch.testing.assert_close(lp, elp, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse, else_, atol=1e-5, rtol=0)
     g = torch.randn(2, 4)
-    d = ops.logprobs_bwd(v, y, lse, g, 1.0, -100)
-    torch.testing.assert_close(d, ops.eager.logprobs_bwd(v, y, else_, g, 1.0, -100), atol=1e-6, rtol=0)
-    ops.logprobs_bwd(v, y, lse, g, 1.0, -100, out=v)
+    d = LPK.logprobs_bwd(v, y, lse, g, 1.0, -100)
+    torch.testing.assert_close(d, LPE.logprobs_bwd(v, y, else_, g, 1.0, -100), atol=1e-6, rtol=0)
+    LPK.logprobs_bwd(v, y, lse, g, 1.0, -100, out=v)
     torch.testing.assert_close(v, d, atol=0, rtol=0)
 
 
 def test_eager_fallback(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not ops.use_triton(torch.zeros(1))
+    assert not ops.use_kernels(torch.zeros(1))
     x, y = _data(2, 3, 100, torch.float32)
     _check(x[:, :-1], y, temperature=0.9)
 
@@ -165,10 +167,10 @@ def test_gpu_int64_offsets(compiled_kernels):
     V, N = 151936, 14200
     x = torch.randn(1, N, V, device="cuda", dtype=torch.bfloat16)
     y = torch.randint(0, V, (1, N), device="cuda")
-    lp, lse, _ = ops.logprobs_fwd(x, y, 1.0, -100, False)
+    lp, lse, _ = LPK.logprobs_fwd(x, y, 1.0, -100, False)
     last = torch.log_softmax(x[0, -4:].float(), -1).gather(-1, y[0, -4:, None])[:, 0]
     torch.testing.assert_close(lp[0, -4:], last, atol=2e-3, rtol=0)
-    ops.logprobs_bwd(x, y, lse, torch.ones_like(lp), 1.0, -100, out=x)
+    LPK.logprobs_bwd(x, y, lse, torch.ones_like(lp), 1.0, -100, out=x)
     assert torch.isfinite(x[0, -1]).all()
 
 

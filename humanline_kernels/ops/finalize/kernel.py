@@ -1,6 +1,6 @@
 r"""Triton kernels for the ``[B, T]`` tail of the fused losses: one launch per loss after the row kernel.
 
-The row kernel (:mod:`.losses_kernels`) leaves per token ``val`` (masked clipped log-ratio for DPO/KTO, masked
+The row kernel (:mod:`..token_terms.kernel`) leaves per token ``val`` (masked clipped log-ratio for DPO/KTO, masked
 GRPO term for GRPO), ``coef = d val / d logp`` and ``aux [4, B, T]`` = (inside the band, GRPO low clip, high clip,
 k3). A finalize kernel is one program that walks ``[B, T]`` in ``[BLOCK_B, BLOCK_T]`` tiles (fp32 sums, int64
 offsets; ``m = [label != ignore_index]``) and writes
@@ -10,20 +10,28 @@ offsets; ``m = [label != ignore_index]``) and writes
   ``dlogits = grad_loss * w[b] * coef[b, t] * (onehot(y) - softmax(z / T)) / T`` (``logprobs._logprobs_bwd_kernel``
   with ``ROW_WEIGHT``).
 
-The math is :mod:`humanline_kernels.reference`'s (tests compare each kernel, and the eager fallback of
-:mod:`.terms_eager`, against it). A single program keeps every reduction in a fixed order (deterministic, no
+Each launcher is a ``torch.library`` op writing into preallocated outputs
+(``humanline::{dpo,kto,grpo}_finalize_out``); :func:`dpo_finalize`, :func:`kto_finalize` and :func:`grpo_finalize`
+take the loss's params object and inputs, allocate, and call it (:data:`FINALIZE` maps a loss's name to them).
+
+The math is :mod:`humanline_kernels.reference`'s (tests compare each kernel, and its eager twin in :mod:`.eager`,
+against it). A single program keeps every reduction in a fixed order (deterministic, no
 atomics) and costs a few microseconds at ``B * T = 8192``; the launch it saves costs more. Sequence length and
 hyperparameters are runtime arguments (``B``/``T`` not even specialised), so one compiled variant serves all.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton.language as tl
+from torch import Tensor
 
-from ._jit import COMPILED_DEVICES, jit, launcher
-from . import GRPO_LOSS_TYPES, METRICS
-from .logprobs import device_guard
-from .losses_kernels import _clamp
+from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
+from ..constants import GRPO_AGGREGATION, METRICS
+from ..logprobs.kernel import device_guard
+from ..token_terms.kernel import _clamp
+
 
 def tiles(t: torch.Tensor, block_t: int = 128) -> tuple[int, int, int]:
     """``(BLOCK_B, BLOCK_T, num_warps)``: ``4 x block_t`` tiles on GPU, 512 elements by default (2 a thread: 1024 made
@@ -269,72 +277,118 @@ def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_pt
         tl.store(w_ptr + b, w, mask=bm)
 
 
-def _outputs(ref, B, K):
-    f32 = dict(dtype=torch.float32, device=ref.device)
-    return torch.empty((), **f32), torch.empty((K,), **f32), torch.empty((B,), **f32)
+# ------------------------------------------------------------------ launchers (torch.library ops) and their callers
+def _outputs(like, B, name):
+    f32 = dict(dtype=torch.float32, device=like.device)
+    return torch.empty((), **f32), torch.empty((len(METRICS[name]),), **f32), torch.empty((B,), **f32)
 
 
-def dpo_finalize(val, aux, labels, *, ignore_index, beta, label_smoothing, span=None):
-    """``(loss, metrics [5], w [2P])`` of DPO from the row kernel's ``val``/``aux`` (see the kernel). ``span =
-    (j0, j1)``: only those pairs (a fused-linear chunk; ``w`` of the other rows is left unwritten, loss and metrics
-    are then partial)."""
+@custom_op("dpo_finalize_out", mutates_args=("loss", "met", "w"))
+def _dpo_out(val: Tensor, aux: Tensor, labels: Tensor, loss: Tensor, met: Tensor, w: Tensor, beta: float,
+             label_smoothing: float, ignore_index: int, j0: int, j1: int) -> None:
     B, T = labels.shape
-    val, aux = val.contiguous(), aux.contiguous()  # read with unit strides (free when already contiguous)
-    loss, met, w = _outputs(val, B, len(METRICS["dpo"]))
-    j0, j1 = (0, B // 2) if span is None else span
     bb, bt, warps = tiles(val)
     with device_guard(val):
         launcher(_dpo_finalize_kernel, val)[(1,)](
-            val, aux, labels, labels.stride(0), labels.stride(1), loss, met, w, B // 2, T, j0, j1, ignore_index,
-            float(beta), float(label_smoothing), BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)
+            # data
+            val_ptr=val, aux_ptr=aux, y_ptr=labels, loss_ptr=loss, met_ptr=met, w_ptr=w,
+            # strides
+            y_sb=labels.stride(0), y_st=labels.stride(1),
+            # sizes, the pairs to read, scalars
+            P=B // 2, T=T, J0=j0, J1=j1, ignore_index=ignore_index, beta=beta, label_smoothing=label_smoothing,
+            # constants
+            BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)
+
+
+def dpo_finalize(val, aux, labels, p, inp=None, span=None):
+    """``(loss, metrics [5], w [2P])`` of DPO from the row kernel's ``val``/``aux`` (see the kernel). ``span =
+    (j0, j1)``: only those pairs (a fused-linear chunk; ``w`` of the other rows is left unwritten, loss and metrics
+    are then partial)."""
+    B = labels.shape[0]
+    loss, met, w = _outputs(val, B, "dpo")
+    j0, j1 = (0, B // 2) if span is None else span
+    # read with unit strides (free when already contiguous)
+    _dpo_out(val.contiguous(), aux.contiguous(), labels, loss, met, w, float(p.beta), float(p.label_smoothing),
+             p.ignore_index, j0, j1)
     return loss, met, w
 
 
-def kto_finalize(val, aux, labels, desirable, kl_logps, kl_ref_logps, kl_mask, z0, *, ignore_index, beta,
-                 desirable_weight, undesirable_weight, clip, span=None):
-    """``(loss, metrics [4], w [B])`` of KTO; the KL rows are ``kl_*`` (or None), or ``z0`` is given. ``span =
-    (b0, b1)``: only those rows (a fused-linear chunk; partial loss and metrics, ``w`` of the others unwritten)."""
+@custom_op("kto_finalize_out", mutates_args=("loss", "met", "w"))
+def _kto_out(val: Tensor, aux: Tensor, labels: Tensor, desirable: Tensor, kl: Optional[Tensor],
+             kl_ref: Optional[Tensor], kl_mask: Optional[Tensor], z0: Optional[Tensor], loss: Tensor, met: Tensor,
+             w: Tensor, beta: float, lam_d: float, lam_u: float, clip_on: bool, clip_lo: float, clip_hi: float,
+             ignore_index: int, b0: int, b1: int) -> None:
     B, T = labels.shape
-    # the kernel reads these with unit strides; validation accepts strided views (free when already contiguous)
-    val, aux, desirable = val.contiguous(), aux.contiguous(), desirable.contiguous()
-    loss, met, w = _outputs(val, B, len(METRICS["kto"]))
-    has_kl = kl_logps is not None and z0 is None
-    kl = kl_logps.contiguous() if has_kl else val
-    klr = kl_ref_logps.contiguous() if has_kl else val
-    klm = kl_mask.contiguous() if has_kl else desirable  # a bool dummy: no variant of its own
+    has_kl = kl is not None
     BK, TK = kl.shape if has_kl else (0, 0)
-    b0, b1 = (0, B) if span is None else span
     # 256-element tiles: at 512, triton 3.6 spilled 4 bytes for sm_80 with contiguous labels and KL rows
     bb, bt, warps = tiles(val, 64)
     with device_guard(val):
         launcher(_kto_finalize_kernel, val)[(1,)](
-            val, aux, labels, labels.stride(0), labels.stride(1), desirable, kl, klr, klm,
-            val if z0 is None else z0.reshape(1), loss, met, w, B, T, BK, TK, b0, b1, ignore_index, float(beta),
-            float(desirable_weight), float(undesirable_weight), int(clip is not None),
-            float(clip.log_eps_p) if clip else 0.0, float(clip.log_eps_r) if clip else 0.0, int(z0 is not None),
+            # data (absent KL rows and z0 point at val, and desirable stands in for a bool mask: no new variant)
+            val_ptr=val, aux_ptr=aux, y_ptr=labels, des_ptr=desirable, kl_ptr=kl if has_kl else val,
+            klref_ptr=kl_ref if has_kl else val, klm_ptr=kl_mask if has_kl else desirable,
+            z0_ptr=val if z0 is None else z0, loss_ptr=loss, met_ptr=met, w_ptr=w,
+            # strides
+            y_sb=labels.stride(0), y_st=labels.stride(1),
+            # sizes, the rows to read, scalars
+            B=B, T=T, BK=BK, TK=TK, B0=b0, B1=b1, ignore_index=ignore_index, beta=beta, lam_d=lam_d, lam_u=lam_u,
+            clip_on=int(clip_on), clip_lo=clip_lo, clip_hi=clip_hi, z0_given=int(z0 is not None),
+            # constants
             BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)
+
+
+def kto_finalize(val, aux, labels, p, inp, span=None):
+    """``(loss, metrics [4], w [B])`` of KTO; the baseline from ``inp.z0`` or else from the KL rows ``inp.kl_*``
+    (clipped with ``p.clip``; none: ``z0 = 0``). ``span = (b0, b1)``: only those rows (a fused-linear chunk;
+    partial loss and metrics, ``w`` of the others unwritten)."""
+    B = labels.shape[0]
+    loss, met, w = _outputs(val, B, "kto")
+    has_kl = inp.kl_logps is not None and inp.z0 is None
+    kl = tuple(t.contiguous() for t in (inp.kl_logps, inp.kl_ref_logps, inp.kl_mask)) if has_kl else (None,) * 3
+    z0 = None if inp.z0 is None else inp.z0.reshape(1).to(torch.float32)
+    b0, b1 = (0, B) if span is None else span
+    c = p.clip
+    # the kernel reads these with unit strides; validation accepts strided views (free when already contiguous)
+    _kto_out(val.contiguous(), aux.contiguous(), labels, inp.desirable.contiguous(), *kl, z0, loss, met, w,
+             float(p.beta), float(p.desirable_weight), float(p.undesirable_weight), c is not None,
+             float(c.log_eps_p) if c else 0.0, float(c.log_eps_r) if c else 0.0, p.ignore_index, b0, b1)
     return loss, met, w
 
 
-def grpo_finalize(val, aux, labels, *, ignore_index, loss_type, normalizer=None, max_completion_length=None):
-    """``(loss, metrics [4], w [B])`` of GRPO; with ``val=None`` only ``w`` (from the labels), loss and metrics 0."""
+@custom_op("grpo_finalize_out", mutates_args=("loss", "met", "w"))
+def _grpo_out(val: Optional[Tensor], aux: Optional[Tensor], labels: Tensor, norm: Optional[Tensor], loss: Tensor,
+              met: Tensor, w: Tensor, aggregation: int, norm_value: float, length: int, ignore_index: int) -> None:
     B, T = labels.shape
-    loss, met, w = _outputs(labels, B, len(METRICS["grpo"]))
-    if isinstance(normalizer, torch.Tensor):
-        kind, value, norm = 2, 0.0, normalizer.reshape(1).to(torch.float32)
-    elif normalizer is not None:
-        kind, value, norm = 1, float(normalizer), w
-    else:
-        kind, value, norm = 0, 0.0, w
-    length = T if max_completion_length is None else max_completion_length
-    dr_scale = 1.0 / (B * length) if B * length else 0.0
     terms = val is not None
-    if terms:
-        val, aux = val.contiguous(), aux.contiguous()  # read with unit strides (free when already contiguous)
+    norm_kind = 2 if norm is not None else int(norm_value > 0)  # a tensor, a number (> 0 when given) or the count
+    length = length or T
     bb, bt, warps = tiles(labels)
     with device_guard(labels):
         launcher(_grpo_finalize_kernel, labels)[(1,)](
-            val if terms else w, aux if terms else w, labels, labels.stride(0), labels.stride(1), norm, loss, met, w,
-            B, T, B * T, ignore_index, GRPO_LOSS_TYPES[loss_type], kind, value, dr_scale, BLOCK_B=bb, BLOCK_T=bt,
-            TERMS=terms, num_warps=warps)
+            # data (absent ones point at w: no new variant)
+            val_ptr=val if terms else w, aux_ptr=aux if terms else w, y_ptr=labels,
+            norm_ptr=w if norm is None else norm, loss_ptr=loss, met_ptr=met, w_ptr=w,
+            # strides
+            y_sb=labels.stride(0), y_st=labels.stride(1),
+            # sizes and scalars
+            B=B, T=T, N=B * T, ignore_index=ignore_index, loss_type=aggregation, norm_kind=norm_kind,
+            norm_value=norm_value, dr_scale=1.0 / (B * length) if B * length else 0.0,
+            # constants
+            BLOCK_B=bb, BLOCK_T=bt, TERMS=terms, num_warps=warps)
+
+
+def grpo_finalize(val, aux, labels, p, inp, span=None):
+    """``(loss, metrics [4], w [B])`` of GRPO; with ``val=None`` only ``w`` (from the labels), loss and metrics 0.
+    The weights do not depend on the terms, so a fused-linear chunk needs no ``span`` (accepted and unused)."""
+    B = labels.shape[0]
+    loss, met, w = _outputs(labels, B, "grpo")
+    norm = None if inp.normalizer is None else inp.normalizer.reshape(1).to(torch.float32)
+    terms = val is not None
+    _grpo_out(val.contiguous() if terms else None, aux.contiguous() if terms else None, labels, norm, loss, met, w,
+              GRPO_AGGREGATION[p.loss_type], 0.0 if p.normalizer is None else float(p.normalizer),
+              p.max_completion_length or 0, p.ignore_index)
     return loss, met, w
+
+
+FINALIZE = {"dpo": dpo_finalize, "kto": kto_finalize, "grpo": grpo_finalize}

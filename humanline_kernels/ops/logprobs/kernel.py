@@ -14,12 +14,14 @@ Ignored rows (``y == ignore_index``) get ``logp = entropy = 0`` and an all-zero 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from ._jit import COMPILED_DEVICES, jit, launcher
+from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
 
 
 def block_config(x: torch.Tensor) -> tuple[int, int]:
@@ -104,23 +106,27 @@ def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t, ignore_in
     """Logits row ``r`` (label of token ``q``): ``(row pointer, label, valid, lse, sum p*z, logp)``;
     ``logp = z_y - lse``, 0 where ignored."""
     base = _row_base(x_ptr, r, T, x_sb, x_st)
+    lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
+    # the label after the sweep: nothing but the row pointer and q stays live across it (the entropy variant
+    # spilled under triton 3.6 with the label loaded first)
     y = tl.load(_row_base(y_ptr, q, T, y_sb, y_st))
     valid = y != ignore_index
-    lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
     zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32) * inv_t
     return base, y, valid, lse, pz, tl.where(valid, zy - lse, 0.0)
 
 
-@jit
+@jit(do_not_specialize=["n0", "off0", "off1"])
 def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, T, V, inv_t,
-                         ignore_index, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
+                         ignore_index, n0, off0, off1, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
+    """Logits row ``r``, token ``q`` (:func:`_token`): ``logp``, ``lse`` (and the entropy) of token ``q``."""
     r = tl.program_id(0)
-    _base, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, r, T, V, inv_t,
+    q = _token(r, n0, off0, off1)
+    _base, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t,
                                                 ignore_index, BLOCK_V, ENTROPY)
-    tl.store(logp_ptr + r, logp)
-    tl.store(lse_ptr + r, lse)
+    tl.store(logp_ptr + q, logp)
+    tl.store(lse_ptr + q, lse)
     if ENTROPY:
-        tl.store(ent_ptr + r, tl.where(valid, lse - pz, 0.0))
+        tl.store(ent_ptr + q, tl.where(valid, lse - pz, 0.0))
 
 
 @jit(do_not_specialize=["n0", "off0", "off1"])
@@ -160,83 +166,127 @@ def _scale_rows_kernel(x_ptr, x_sb, x_st, s_ptr, T, V, BLOCK_V: tl.constexpr):
             tl.store(base + c, (x * s).to(base.dtype.element_ty), mask=c < V)
 
 
-def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy):
-    """Triton version of :func:`humanline_kernels.ops.eager.logprobs_fwd` (same signature and results)."""
-    B, T, V = logits.shape
-    logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if return_entropy else None
-    if B * T == 0:
-        return logp, lse, ent
-    block, warps = block_config(logits)
-    with device_guard(logits):
-        launcher(_logprobs_fwd_kernel, logits)[(B * T,)](
-            logits, logits.stride(0), logits.stride(1), labels, labels.stride(0), labels.stride(1), logp, lse,
-            logp if ent is None else ent, T, V, 1.0 / temperature, ignore_index, BLOCK_V=block,
-            ENTROPY=bool(return_entropy), num_warps=warps)
-    return logp, lse, ent
+# ------------------------------------------------------------------ launchers (torch.library ops) and their callers
+def logits_rows(x, T):
+    """``(rows, s_b, s_t)`` with which the row kernels address the logits rows of ``x``: a ``[B, T, V]`` view with
+    its own batch and row strides, or a fused-linear chunk's ``[n, V]`` buffer (row ``r`` at ``r * stride``,
+    written ``(r // T) * (T * stride) + (r % T) * stride`` by the same code)."""
+    if x.dim() == 2:
+        return x.shape[0], T * x.stride(0), x.stride(0)
+    return x.shape[0] * x.shape[1], x.stride(0), x.stride(1)
 
 
-def chunk_rows(segs):
-    """``(n, n0, off0, off1)`` for :func:`_token` from a fused-linear chunk's token ranges ``((s0, e0), [(s1, e1)])``:
-    the chunk's ``n`` logits rows are the tokens ``s0..e0`` followed by ``s1..e1``."""
+def chunk_rows(segs, N):
+    """``(n0, off0, off1)`` for :func:`_token`: the whole batch (``segs`` None: logits row ``r`` is token ``r`` of
+    the ``N`` tokens), or a fused-linear chunk's token ranges ``((s0, e0), [(s1, e1)])`` (its ``[n, V]`` buffer
+    holds the tokens ``s0..e0``, then ``s1..e1``)."""
+    if segs is None:
+        return N, 0, 0
     (s0, e0), *rest = segs
     n0 = e0 - s0
     if not rest:
-        return n0, n0, s0, s0
-    (s1, e1), = rest
-    return n0 + e1 - s1, n0, s0, s1 - n0
+        return n0, s0, s0
+    (s1, _e1), = rest
+    return n0, s0, s1 - n0
 
 
-def row_args(logits, labels, segs):
-    """Launch geometry shared by the row kernels: ``(grid, T, V, x_sb, x_st, n0, off0, off1)``.
+@custom_op("logprobs_fwd_out", mutates_args=("logp", "lse", "ent"))
+def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Optional[Tensor], inv_t: float,
+             ignore_index: int, n0: int, off0: int, off1: int) -> None:
+    T = labels.shape[1]
+    rows, x_sb, x_st = logits_rows(logits, T)
+    if rows == 0:
+        return
+    block, warps = block_config(logits)
+    with device_guard(logits):
+        launcher(_logprobs_fwd_kernel, logits)[(rows,)](
+            # data
+            x_ptr=logits, y_ptr=labels, logp_ptr=logp, lse_ptr=lse, ent_ptr=logp if ent is None else ent,
+            # strides
+            x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1),
+            # sizes, scalars and the chunk's token ranges
+            T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
+            # constants
+            BLOCK_V=block, ENTROPY=ent is not None, num_warps=warps)
 
-    Without ``segs``, ``logits [B, T, V]`` and ``labels [B, T]`` match row for row. With ``segs``, ``logits`` is a
-    fused-linear chunk's ``[n, V]`` buffer (rows ``stride(0)`` apart) and ``labels`` (and every other ``[B, T]``
-    tensor) is the whole batch's: row ``r`` of the buffer is token :func:`_token` ``(r, n0, off0, off1)``; the
-    buffer's row ``r`` is addressed as ``(r // T) * (T * stride) + (r % T) * stride`` by the same code."""
-    T, V = labels.shape[1], logits.shape[-1]
-    n, n0, off0, off1 = (labels.numel(), labels.numel(), 0, 0) if segs is None else chunk_rows(segs)
-    return (n, T, V, *row_strides(logits, T, segs), n0, off0, off1)
+
+def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=None, segs=None):
+    """``(logp, lse, entropy or None)``, fp32 ``[B, T]``, of ``logits [B, T, V]`` (last stride 1) and
+    ``labels [B, T]``; the Triton twin of :func:`.eager.logprobs_fwd`. ``out``: the (two or three) contiguous
+    outputs to write into. ``segs``: ``logits`` is a fused-linear chunk's ``[n, V]`` buffer and ``labels`` and
+    ``out`` the whole batch's (:func:`chunk_rows`); ``out`` is required then."""
+    if out is None:
+        B, T = labels.shape
+        logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)
+        out = logp, torch.empty_like(logp), torch.empty_like(logp) if return_entropy else None
+    logp, lse, ent = out
+    _fwd_out(logits, labels, logp, lse, ent, 1.0 / temperature, ignore_index, *chunk_rows(segs, labels.numel()))
+    return logp, lse, ent
 
 
-def row_strides(x, T, segs):
-    """``(s_b, s_t)`` with which :func:`_row_base` finds row ``r`` of ``x``: its own batch and row strides, or for a
-    chunk's ``[n, V]`` buffer (``segs``) ``(T * stride, stride)``, i.e. ``r * stride`` for any ``T``."""
-    return (x.stride(0), x.stride(1)) if segs is None else (T * x.stride(0), x.stride(0))
+def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optional[Tensor], go: Optional[Tensor],
+                out: Optional[Tensor], inv_t: float, ignore_index: int, n0: int, off0: int, off1: int) -> None:
+    out = logits if out is None else out  # None: in place
+    T = labels.shape[1]
+    rows, x_sb, x_st = logits_rows(logits, T)
+    if rows == 0:
+        return
+    _, o_sb, o_st = logits_rows(out, T)
+    block, warps = block_config(logits)
+    with device_guard(logits):
+        launcher(_logprobs_bwd_kernel, logits)[(rows,)](
+            # data
+            x_ptr=logits, y_ptr=labels, lse_ptr=lse, g_ptr=g, w_ptr=g if w is None else w,
+            go_ptr=g if go is None else go, o_ptr=out,
+            # strides
+            x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), o_sb=o_sb, o_st=o_st,
+            # sizes, scalars and the chunk's token ranges
+            T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
+            has_go=int(go is not None),
+            # constants
+            BLOCK_V=block, ROW_WEIGHT=w is not None, num_warps=warps)
+
+
+# one launcher, two ops: into a new buffer, or over the logits (out=None; a mutated argument of an op may not alias
+# another of its arguments)
+_bwd_out = custom_op("logprobs_bwd_out", mutates_args=("out",))(_bwd_launch)
+_bwd_inplace = custom_op("logprobs_bwd_inplace", mutates_args=("logits",), bumps=(0,))(_bwd_launch)
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
                  grad_loss=None, segs=None):
-    """Triton version of :func:`humanline_kernels.ops.eager.logprobs_bwd`; ``out`` may be ``logits`` itself.
-    With ``row_weight [B]`` the per-token gradient is ``row_weight[b] * grad_logp[b, t]``, times ``grad_loss``
-    (0-d) when given. ``segs``: ``logits`` and ``out`` are a fused-linear chunk's ``[n, V]`` buffer, the other
-    tensors the whole batch's (see :func:`row_args`)."""
-    grid, T, V, x_sb, x_st, n0, off0, off1 = row_args(logits, labels, segs)
+    """``dlogits = g * (onehot(y) - softmax(z / T)) / T`` in the logits' dtype, into ``out`` (new, or ``logits``
+    itself: then in place, and the logits' version counter is bumped), the Triton twin of
+    :func:`.eager.logprobs_bwd`. ``g`` is ``grad_logp``, or with ``row_weight [B]`` (a fused loss's backward)
+    ``grad_loss * row_weight[b] * grad_logp[b, t]`` (``grad_loss`` 0-d, read on the device). ``segs``: ``logits``
+    and ``out`` are a fused-linear chunk's ``[n, V]`` buffer and the other tensors the whole batch's
+    (:func:`chunk_rows`)."""
+    inv_t = 1.0 / temperature
+    ranges = chunk_rows(segs, labels.numel())
+    # the kernel reads g, lse (and w) at flat token indices: autograd may hand an expanded (stride 0) gradient
+    g = grad_logp.reshape(labels.shape).contiguous()
+    go = None if grad_loss is None else grad_loss.reshape(1)
+    if out is logits:
+        _bwd_inplace(logits, labels, lse.contiguous(), g, row_weight, go, None, inv_t, ignore_index, *ranges)
+        return logits
     if out is None:
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    if grid == 0:
-        return out
-    block, warps = block_config(logits)
-    g = grad_logp.reshape(labels.shape).contiguous()
-    weighted = row_weight is not None
-    w = row_weight.contiguous() if weighted else g
-    go = grad_loss.reshape(1) if grad_loss is not None else g
-    with device_guard(logits):
-        launcher(_logprobs_bwd_kernel, logits)[(grid,)](
-            logits, x_sb, x_st, labels, labels.stride(0), labels.stride(1), lse.contiguous(), g, w, go, out,
-            *row_strides(out, T, segs), T, V, 1.0 / temperature, ignore_index, n0, off0, off1,
-            int(grad_loss is not None), BLOCK_V=block, ROW_WEIGHT=weighted, num_warps=warps)
+    _bwd_out(logits, labels, lse.contiguous(), g, row_weight, go, out, inv_t, ignore_index, *ranges)
     return out
+
+
+@custom_op("scale_rows_", mutates_args=("x",), bumps=(0,))
+def _scale_rows(x: Tensor, scale: Tensor) -> None:
+    B, T, V = x.shape
+    if B * T == 0:
+        return
+    block, warps = block_config(x)
+    with device_guard(x):
+        launcher(_scale_rows_kernel, x)[(B * T,)](
+            x_ptr=x, s_ptr=scale, x_sb=x.stride(0), x_st=x.stride(1), T=T, V=V, BLOCK_V=block, num_warps=warps)
 
 
 def scale_rows_(x, scale):
     """``x [B, T, V] *= scale`` (0-d tensor) in place; a no-op on the device when ``scale == 1``."""
-    B, T, V = x.shape
-    if B * T == 0:
-        return x
-    block, warps = block_config(x)
-    with device_guard(x):
-        launcher(_scale_rows_kernel, x)[(B * T,)](x, x.stride(0), x.stride(1), scale.reshape(1), T, V,
-                                                  BLOCK_V=block, num_warps=warps)
+    _scale_rows(x, scale.reshape(1))
     return x

@@ -1,0 +1,96 @@
+"""The options of one call as one frozen object, and the loss's extra tensors as one named tuple.
+
+A public function builds its loss's params from its keywords (the same keywords at every input level), checks
+them once (:mod:`._validation`), and hands the object down whole: to the ``autograd.Function``, to the
+fused-linear driver, to the kernels' launchers, which flatten it to scalars only where a kernel or a
+``torch.library`` op needs scalars (:attr:`Loss.terms`, computed once per object). The tensors a loss needs besides
+the log-probs (advantages, the KTO labels and KL rows, ...) travel as the loss's :attr:`Loss.Inputs` tuple.
+
+A new objective adds a params class here (its keywords), its math in :mod:`humanline_kernels.losses` and its
+ground truth in :mod:`humanline_kernels.reference`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar, NamedTuple, Optional
+
+from torch import Tensor
+
+from ._clip import DEFAULT_CLIP, HumanlineClip
+from .ops.constants import MODE_GRPO, MODE_RATIO
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tokens:
+    """Options of the per-token log-probs: ``log_softmax(logits / temperature)[label]``, 0 where ignored."""
+
+    temperature: float = 1.0
+    ignore_index: int = -100
+
+
+class NoInputs(NamedTuple):
+    pass
+
+
+class KTOInputs(NamedTuple):
+    desirable: Tensor
+    kl_logps: Optional[Tensor] = None
+    kl_ref_logps: Optional[Tensor] = None
+    kl_mask: Optional[Tensor] = None
+    z0: Optional[Tensor] = None  # the baseline when known beforehand (all-reduced across ranks)
+
+
+class GRPOInputs(NamedTuple):
+    advantages: Tensor
+    kl_ref_logps: Optional[Tensor] = None
+    normalizer: Optional[Tensor] = None  # a tensor normalizer (a number travels in the params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loss(Tokens):
+    """Options every loss has. ``name`` keys the finalize kernel and the metrics; ``mode`` the row kernel's."""
+
+    clip: Optional[HumanlineClip] = DEFAULT_CLIP
+    name: ClassVar[str]
+    mode: ClassVar[int] = MODE_RATIO
+    Inputs: ClassVar[type] = NoInputs
+
+    @cached_property
+    def terms(self) -> tuple:
+        """The row kernel's scalars: ``(mode, clip_on, clip_lo, clip_hi, rho_lo, rho_hi, beta, inv_t,
+        ignore_index)``; ``rho_*`` and ``beta`` are GRPO's (PPO band and k3 weight), unused otherwise."""
+        c = self.clip
+        grpo = self.mode == MODE_GRPO
+        return (self.mode, c is not None, float(c.log_eps_p) if c else 0.0, float(c.log_eps_r) if c else 0.0,
+                1.0 - float(self.epsilon_low) if grpo else 0.8, 1.0 + float(self.epsilon_high) if grpo else 1.2,
+                float(self.beta) if grpo else 0.0, 1.0 / float(self.temperature), self.ignore_index)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPO(Loss):
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    name: ClassVar[str] = "dpo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KTO(Loss):
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    name: ClassVar[str] = "kto"
+    Inputs: ClassVar[type] = KTOInputs
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPO(Loss):
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    loss_type: str = "dapo"
+    normalizer: Optional[float] = None  # a number; a tensor normalizer travels in GRPOInputs
+    max_completion_length: Optional[int] = None
+    name: ClassVar[str] = "grpo"
+    mode: ClassVar[int] = MODE_GRPO
+    Inputs: ClassVar[type] = GRPOInputs

@@ -1,0 +1,23 @@
+"""Constants shared by the kernels, their launchers, the checks and the integrations (defined here only)."""
+from __future__ import annotations
+
+# what the row kernel (ops.token_terms) computes per token: the clipped log-ratio (DPO, KTO, the sequence-level
+# primitive) or GRPO's per-token term
+MODE_RATIO, MODE_GRPO = 1, 2
+
+GRPO_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+# how the GRPO finalize kernel aggregates: over tokens (dapo, bnpo), mean of row means (grpo), fixed (dr_grpo)
+AGG_TOKENS, AGG_ROWS, AGG_FIXED = 0, 1, 2
+GRPO_AGGREGATION = {"dapo": AGG_TOKENS, "bnpo": AGG_TOKENS, "grpo": AGG_ROWS, "dr_grpo": AGG_FIXED}
+
+# the metrics a finalize kernel writes, in the order of its ``metrics`` tensor
+METRICS = {
+    "dpo": ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "unclipped_frac"),
+    "kto": ("kl", "rewards_desirable", "rewards_undesirable", "unclipped_frac"),
+    "grpo": ("unclipped_frac", "kl", "clip_frac_low", "clip_frac_high"),
+}
+
+
+def named_metrics(name, met):
+    """The API's metrics dict of a finalize kernel's ``metrics`` tensor (0-d views, in :data:`METRICS` order)."""
+    return dict(zip(METRICS[name], met.unbind(0)))

@@ -1,0 +1,1 @@
+"""The ``[B, T]`` tail of the fused losses: :mod:`.kernel` (Triton) and :mod:`.eager` (its twin)."""

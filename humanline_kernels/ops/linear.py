@@ -1,0 +1,182 @@
+r"""Chunked lm_head driver: log-probs and losses from ``hidden [N, D]`` and ``weight [V, D]`` without the logits.
+
+A *chunk* is a tuple of flat token ranges ``((s0, e0), (s1, e1), ...)`` of ``hidden``; its ``n`` tokens go through
+
+1. ``z = h_c W^T (+ b)`` into one reused buffer of ``max_rows * V`` elements (input dtype: bf16 in, fp32
+   accumulation inside cuBLAS);
+2. the row kernels on ``z``: log-probs, or a loss's token terms and finalize (the chunk loops are the
+   ``autograd.Function``\ s of :mod:`humanline_kernels.fused_linear`; this module holds their pieces);
+3. when a gradient is wanted, ``dL/dz = g (onehot(y) - softmax(z/T)) / T`` overwrites the logits in the buffer;
+4. ``dh[c] = dz W``, ``dW += dz^T h_c`` (fp32 accumulator), ``db += sum_rows dz`` (fp32).
+
+For the losses ``g`` is known inside the chunk, which holds everything its coefficients need (:func:`loss_chunks`),
+so the logits GEMM is never recomputed: 6 N D V flops in all. Plain log-probs learn their per-token
+gradient only in the backward, which recomputes each chunk's GEMM (8 N D V). At most one chunk of logits exists
+at any time (the buffer), plus the transient upcasts of the eager twins. Both run the Triton kernels or, on CPU
+tensors and fp64, their eager twins (:func:`impl`, decided once by the caller). The row kernels address a
+chunk's buffer through its token ranges and read and write the whole batch's ``[B, T]`` tensors, so nothing is
+gathered or scattered per chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["token_chunks", "row_chunks", "pair_chunks", "grpo_chunks", "loss_chunks", "max_rows_for", "impl",
+           "new_buffer", "chunks_buffer", "chunk_logits", "alloc_grads", "grads", "span"]
+
+
+def max_rows_for(V, dtype, chunk_bytes):
+    """Tokens per chunk so that the ``[rows, V]`` logits buffer stays within ``chunk_bytes`` (at least 1)."""
+    return max(1, int(chunk_bytes) // (V * torch.empty(0, dtype=dtype).element_size()))
+
+
+def token_chunks(N, max_rows):
+    """Contiguous token ranges (GRPO, plain log-probs: every token's coefficient is local)."""
+    return [((s, min(N, s + max_rows)),) for s in range(0, N, max_rows)]
+
+
+def row_chunks(B, T, max_rows):
+    """Whole rows (KTO: a row's coefficient needs its full sum). One row at least, even above the budget."""
+    if T == 0:  # no tokens: one empty chunk
+        return [((0, 0),)]
+    k = max(1, max_rows // T)
+    return [((r * T, min(B, r + k) * T),) for r in range(0, B, k)]
+
+
+def pair_chunks(B, T, max_rows):
+    """DPO pairs: chosen rows ``j0..j1`` and their rejected partners ``P+j0..P+j1`` in the same chunk."""
+    P = B // 2
+    k = max(1, max_rows // (2 * T)) if T else P
+    if k >= P:  # every pair (or no tokens): one contiguous range
+        return [((0, B * T),)]
+    return [((j * T, min(P, j + k) * T), ((P + j) * T, (P + min(P, j + k)) * T)) for j in range(0, P, k)]
+
+
+def new_buffer(numel, dtype, device):
+    """The one logits buffer of a call (a function so tests can count what it allocates)."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def size(segs):
+    """Tokens in a chunk."""
+    return sum(e - s for s, e in segs)
+
+
+def impl(kernels):
+    """``(logprobs, token_terms, finalize)``: the Triton kernel modules or their eager twins."""
+    if kernels:
+        from .finalize import kernel as fin
+        from .logprobs import kernel as lp
+        from .token_terms import kernel as tt
+    else:
+        from .finalize import eager as fin
+        from .logprobs import eager as lp
+        from .token_terms import eager as tt
+    return lp, tt, fin
+
+
+def chunks_buffer(chunks, V, dtype, device):
+    """The buffer for the largest chunk's ``[n, V]`` logits."""
+    return new_buffer(max(map(size, chunks), default=0) * V, dtype, device)
+
+
+_F32_ADDMM = {}
+
+
+def _addmm_f32(acc, a, b, beta):
+    """``acc = beta * acc + a @ b`` with fp32 ``acc`` and low-precision ``a``, ``b``, without an fp32 copy of ``a``
+    when the backend has a mixed-precision GEMM (``out_dtype``, CUDA in torch >= 2.8). ``beta=0`` ignores ``acc``'s
+    contents (first chunk: no memset of the accumulator)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b, beta=beta)
+        return
+    key = (acc.device.type, a.dtype)
+    mode = _F32_ADDMM.get(key)
+    if mode is None:
+        mode = "upcast"  # CPU: exact, and only small shapes run there
+        if acc.is_cuda:
+            mode = "low_mm_add"  # last resort on CUDA: per-chunk product rounded once, summed in fp32
+            t = torch.zeros(2, 2, dtype=acc.dtype, device=acc.device)
+            x = torch.zeros(2, 2, dtype=a.dtype, device=acc.device)
+            try:  # probe once on a tiny problem (torch >= 2.8 has out_dtype on CUDA)
+                torch.addmm(t, x, x, beta=0, out_dtype=acc.dtype, out=t)
+                mode = "addmm_out_dtype"
+            except Exception:
+                try:
+                    torch.mm(x, x, out_dtype=acc.dtype)
+                    mode = "mm_out_dtype"
+                except Exception:
+                    pass
+        _F32_ADDMM[key] = mode
+    if mode == "addmm_out_dtype":
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
+    elif mode in ("mm_out_dtype", "low_mm_add"):
+        prod = torch.mm(a, b, out_dtype=acc.dtype) if mode == "mm_out_dtype" else torch.mm(a, b)
+        if beta == 0:
+            acc.copy_(prod)
+        else:
+            acc.add_(prod)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
+
+
+def alloc_grads(h2, weight, bias, chunks, need):
+    """``dh`` (input dtype), fp32 ``dW`` and ``db`` (not zero-filled when a first chunk overwrites them)."""
+    N, D = h2.shape
+    V = weight.shape[0]
+    acc = torch.float64 if h2.dtype == torch.float64 else torch.float32
+    dh = torch.empty_like(h2) if need[0] else None
+    dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=acc, device=h2.device) if need[1] else None
+    db = (torch.empty if chunks else torch.zeros)(V, dtype=acc, device=h2.device) if bias is not None and need[2] \
+        else None
+    return dh, dw, db
+
+
+def chunk_logits(buf, h2, wt, bias, segs):
+    """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, one GEMM a token range."""
+    V = wt.shape[1]
+    z = buf[:size(segs) * V].view(-1, V)
+    o = 0
+    for s, e in segs:
+        if bias is None:
+            torch.mm(h2[s:e], wt, out=z[o:o + e - s])
+        else:
+            torch.addmm(bias, h2[s:e], wt, out=z[o:o + e - s])
+        o += e - s
+    return z
+
+
+def grads(h2, weight, segs, z, dh, dw, db, first):
+    """``dh[c] = dz W``, ``dW += dz^T h_c``, ``db += sum_rows dz`` for the chunk whose logits gradient is in ``z``."""
+    o = 0
+    for i, (s, e) in enumerate(segs):
+        dz = z[o:o + e - s]
+        if dh is not None:
+            torch.mm(dz, weight, out=dh[s:e])
+        if dw is not None:
+            _addmm_f32(dw, dz.t(), h2[s:e], beta=0 if first and i == 0 else 1)
+        o += e - s
+    if db is not None:
+        if first:  # overwrite: db is not zero-filled first
+            torch.sum(z, 0, dtype=db.dtype, out=db)
+        else:
+            db += z.sum(0, dtype=db.dtype)
+
+
+def span(name, segs, T):
+    """The pairs (DPO) or rows (KTO) of a chunk, for its finalize launch."""
+    (s, e), *_ = segs
+    if name == "dpo":  # chosen rows first; merged with their partners when the chunk holds every pair
+        return s // T, s // T + size(segs) // (2 * T)
+    return s // T, e // T
+
+
+def grpo_chunks(B, T, max_rows):
+    """GRPO's chunks: whole rows while a row fits in the buffer (the kernel then reads advantages and weights per
+    row), else token ranges."""
+    return row_chunks(B, T, max_rows) if max_rows >= T else token_chunks(B * T, max_rows)
+
+
+def loss_chunks(name, B, T, max_rows):
+    """The chunks of a loss: everything a coefficient needs in one chunk (DPO pairs, KTO rows, GRPO tokens)."""
+    return {"dpo": pair_chunks, "kto": row_chunks, "grpo": grpo_chunks}[name](B, T, max_rows)

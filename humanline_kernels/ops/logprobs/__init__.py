@@ -1,0 +1,1 @@
+"""Selected-token log-probs and their backward: :mod:`.kernel` (Triton) and :mod:`.eager` (its twin)."""

@@ -1,0 +1,170 @@
+r"""Triton kernel for the per-token humanline terms, computed in the same pass over the logits as the log-prob.
+
+For each row ``r = (b, t)`` the kernel finds ``lse`` and ``l = z_y - lse`` (online softmax, see
+:mod:`..logprobs.kernel`), then with ``m = [y != ignore_index]``, ``D = l - l_ref``, ``Dh = clamp(D, p, r)`` (or ``D``):
+
+* ``MODE == 1`` (DPO/KTO): ``val = m * Dh``, ``coef = d val / d l = m * [p <= D <= r]``;
+* ``MODE == 2`` (GRPO): ``rho = exp(Dh)``, ``u = -min(A rho, A clamp(rho, 1 - e_lo, 1 + e_hi))`` (``A`` the row's
+  advantage, or the token's: advantages ``[B]`` are read with a zero token stride, ``[B, T]`` with their own),
+  ``k3 = exp(x) - x - 1`` with ``x = l_kl - l``; ``val = m (u + beta k3)`` and
+  ``coef = m (-A rho [A rho <= A clamp(rho)] [p <= D <= r] + beta (1 - exp(x)))`` (torch's tie rules for
+  ``min`` and ``clamp`` give exactly this).
+
+``aux [4, N]`` fp32 (planes ``N`` apart) holds ``[p < D < r]``, the GRPO low/high clip indicators and ``k3``
+(metrics only; 0 for DPO/KTO).
+With ``GRAD`` (GRPO) the same program also writes ``dz = w_b * coef * (onehot(y) - softmax(z)) / T`` into
+``grad``, where ``w_b = d loss / d val`` is the aggregation weight of row ``b``: the row is read once for the
+softmax statistics and once more while the gradient is written (from L2 only while the rows in flight fit in it;
+at V >= 32k on an H100 that read mostly goes to HBM, see docs/kernels.md).
+
+The launcher is the ``torch.library`` op ``humanline::token_terms_out`` (``humanline::token_terms_inplace`` when the
+gradient overwrites the logits); :func:`token_terms` allocates its outputs and calls it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton.language as tl
+from torch import Tensor
+
+from .._jit import custom_op, jit, launcher
+from ..constants import MODE_GRPO
+from ..logprobs.kernel import (_row_base, _row_grad_store, _row_logp, _row_zero, _token, block_config, chunk_rows,
+                               device_guard, logits_rows)
+
+
+@jit
+def _clamp(x, lo, hi):
+    # NaN stays NaN (as torch.clamp), so NaN logits give a NaN loss instead of a clamped number. The enum is
+    # written inline: bound to a local name, the GPU compiler makes it a tensor and rejects it (the interpreter
+    # accepted it; caught by tests/test_compile_gate.py).
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit(do_not_specialize=["N", "n0", "off0", "off1", "adv_sb", "adv_st"])
+def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr,
+                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, N, T, V, inv_t, ignore_index, clip_lo,
+                        clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr, MODE: tl.constexpr,
+                        CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
+    r = tl.program_id(0)  # row of the logits and of the gradient output
+    q = _token(r, n0, off0, off1)  # token of the [B, T] inputs and outputs
+    plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
+    base, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t,
+                                               ignore_index, BLOCK_V, False)
+    delta = logp - tl.load(ref_ptr + q)
+    if CLIP:
+        dh = _clamp(delta, clip_lo, clip_hi)
+        inside = valid & (delta > clip_lo) & (delta < clip_hi)
+        dpass = (delta >= clip_lo) & (delta <= clip_hi)
+    else:
+        dh = delta
+        inside = valid
+        dpass = valid
+    dh = tl.where(valid, dh, 0.0)
+    tl.store(aux_ptr + q, inside.to(tl.float32))
+    if MODE == 1:
+        val = dh
+        coef = tl.where(valid & dpass, 1.0, 0.0)
+        for i in range(1, 4):  # GRPO's planes, zero (the buffer is not zero-filled first: one launch less)
+            tl.store(aux_ptr + i * plane + q, 0.0)
+    else:
+        a = tl.load(adv_ptr + (q // T) * adv_sb + (q % T) * adv_st).to(tl.float32)
+        rho = tl.exp(dh)
+        a1 = a * rho
+        a2 = a * _clamp(rho, rho_lo, rho_hi)
+        u = -tl.minimum(a1, a2, propagate_nan=tl.PropagateNan.ALL)
+        du = tl.where((a1 <= a2) & dpass, -a1, 0.0)
+        if HAS_KL_REF:
+            lkl = tl.load(klref_ptr + q)
+        else:
+            lkl = tl.load(ref_ptr + q)
+        x = tl.where(valid, lkl - logp, 0.0)
+        ex = tl.exp(x)
+        k3 = ex - x - 1.0
+        # beta == 0 must not turn an infinite k3 into NaN (the reference drops the term then)
+        val = tl.where(valid, tl.where(beta != 0.0, u + beta * k3, u), 0.0)
+        coef = tl.where(valid, tl.where(beta != 0.0, du + beta * (1.0 - ex), du), 0.0)
+        tl.store(aux_ptr + plane + q, (valid & (rho < rho_lo) & (a < 0)).to(tl.float32))
+        tl.store(aux_ptr + 2 * plane + q, (valid & (rho > rho_hi) & (a > 0)).to(tl.float32))
+        tl.store(aux_ptr + 3 * plane + q, k3)
+    tl.store(val_ptr + q, val)
+    tl.store(coef_ptr + q, coef)
+    tl.store(lse_ptr + q, lse)
+    if GRAD:
+        out_base = _row_base(g_ptr, r, T, g_sb, g_st)
+        if valid:
+            _row_grad_store(base, out_base, V, y, lse, coef * tl.load(w_ptr + q // T), inv_t, BLOCK_V)
+        else:
+            _row_zero(out_base, V, BLOCK_V)
+
+
+# ------------------------------------------------------------------ launcher (torch.library ops) and its caller
+def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[Tensor], adv: Optional[Tensor],
+                  w: Optional[Tensor], grad: Optional[Tensor], grad_inplace: bool, val: Tensor, coef: Tensor,
+                  lse: Tensor, aux: Tensor, row_mode: int, clip_on: bool, clip_lo: float, clip_hi: float,
+                  rho_lo: float, rho_hi: float, beta: float, inv_t: float, ignore_index: int, n0: int, off0: int,
+                  off1: int) -> None:
+    # (no argument may be called "mode": the dispatcher's mode redirection takes that keyword)
+    T = labels.shape[1]
+    rows, x_sb, x_st = logits_rows(logits, T)
+    if rows == 0:
+        return
+    g = logits if grad_inplace or grad is None else grad
+    _, g_sb, g_st = logits_rows(g, T)
+    grpo = row_mode == MODE_GRPO
+    block, warps = block_config(logits)
+    with device_guard(logits):
+        launcher(_token_terms_kernel, logits)[(rows,)](
+            # data (unused pointers get ref: no variant of their own)
+            x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if klref is None else klref,
+            adv_ptr=adv if grpo else ref, w_ptr=ref if w is None else w, g_ptr=g,
+            val_ptr=val, coef_ptr=coef, lse_ptr=lse, aux_ptr=aux,
+            # strides (advantages [B] have a zero token stride)
+            x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1),
+            adv_sb=adv.stride(0) if grpo else 0, adv_st=adv.stride(1) if grpo and adv.dim() == 2 else 0,
+            g_sb=g_sb, g_st=g_st,
+            # sizes, scalars and the chunk's token ranges
+            N=aux.stride(0), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, clip_lo=clip_lo,
+            clip_hi=clip_hi, rho_lo=rho_lo, rho_hi=rho_hi, beta=beta, n0=n0, off0=off0, off1=off1,
+            # constants
+            BLOCK_V=block, MODE=row_mode, CLIP=clip_on, HAS_KL_REF=klref is not None,
+            GRAD=grad_inplace or grad is not None, num_warps=warps)
+
+
+# one launcher, two ops: the gradient into a buffer of its own or over the logits (a mutated argument of an op may
+# not alias another of its arguments, so the in-place op mutates the logits and gets grad=None)
+_terms_out = custom_op("token_terms_out", mutates_args=("grad", "val", "coef", "lse", "aux"))(_terms_launch)
+_terms_inplace = custom_op("token_terms_inplace", mutates_args=("logits", "val", "coef", "lse", "aux"),
+                           bumps=(0,))(_terms_launch)
+
+
+def _f32(t):
+    return None if t is None else t.to(torch.float32).contiguous()
+
+
+def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, row_weight=None, grad_out=None):
+    """``(val, coef, lse, aux)`` of ``logits [B, T, V]`` for the loss ``p`` (a params object of
+    :mod:`humanline_kernels._params`: its mode, clip band, GRPO band and k3 weight, temperature, ignore_index)
+    and, for GRPO, ``inp.advantages`` (``[B]`` or ``[B, T]``) and ``inp.kl_ref_logps``: fp32 ``[B, T]`` x3 and
+    ``aux [4, B, T]``.
+
+    With ``row_weight [B]`` and ``grad_out`` (a buffer shaped like ``logits``, or ``logits`` itself: in place,
+    its version counter bumped) the GRPO gradient is written too. ``out``: the four outputs to write into
+    (``val``, ``coef``, ``lse`` contiguous ``[B, T]``, ``aux`` ``[4, B, T]`` with any plane stride). ``segs``: a
+    fused-linear chunk's token ranges (:func:`..logprobs.kernel.chunk_rows`); ``logits`` and ``grad_out`` are
+    then the chunk's ``[n, V]`` buffer, every other tensor the whole batch's, and ``out`` is required.
+    """
+    B, T = labels.shape
+    if out is None:
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
+        out = val, coef, lse, torch.empty((4, B, T), **f32)  # every plane is written by the kernel
+    grpo = p.mode == MODE_GRPO
+    klref = _f32(inp.kl_ref_logps) if grpo else None
+    adv = inp.advantages.to(torch.float32) if grpo else None
+    inplace = grad_out is not None and grad_out is logits
+    (_terms_inplace if inplace else _terms_out)(
+        logits, labels, _f32(ref_logps), klref, adv, _f32(row_weight), None if inplace else grad_out, inplace, *out,
+        *p.terms, *chunk_rows(segs, B * T))
+    return out
