@@ -2,12 +2,13 @@
 
 A ``TorchDispatchMode`` sees every aten op the call dispatches (on CUDA each non-view op is a kernel launch) and
 ``ops._jit.LAUNCHES`` counts the Triton launches; the custom ops that wrap those launches are not counted twice.
-DESIGN.md's budget: a logits-level loss forward + backward launches at most 8 kernels, a fused-linear loss at most
-3 per chunk + 6. ``token_logprobs`` and the logits-level losses meet it (issue 16: the row kernel, one finalize
-kernel for the ``[B, T]`` tail, one backward kernel; the count includes the ``ones_like`` of autograd's seed
-gradient). The fused-linear losses meet it in one chunk (9: three GEMMs, three Triton launches, three in the backward);
-with more chunks they do not (three GEMMs a chunk already; the rest would have to run in a GEMM's epilogue): for
-those this test is a ceiling at today's count, so that a change can only lower it.
+The budget (docs/design.md): a logits-level loss forward + backward launches at most 8 kernels, a fused-linear loss
+at most 4 per chunk + 5. ``token_logprobs`` and the logits-level losses meet it (the row kernel, one finalize kernel
+for the ``[B, T]`` tail, one backward kernel; the count includes the ``ones_like`` of autograd's seed gradient). The
+fused-linear losses meet it in one chunk (9: three GEMMs, three Triton launches, three in the backward) and GRPO at
+any number of chunks (4 a chunk); DPO and KTO with several chunks do not (a finalize and a backward launch per
+chunk besides its three GEMMs): for those this test is a ceiling at today's count, so that a change can only lower
+it.
 """
 import collections
 
@@ -53,7 +54,9 @@ def _quiet_launches(monkeypatch):
     arguments are not kernels a GPU would run (the launch itself is counted by ``_jit.LAUNCHES``)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from humanline_kernels.ops import finalize_kernels, logprobs, losses_kernels
+    from humanline_kernels.ops.finalize import kernel as finalize_kernels
+    from humanline_kernels.ops.logprobs import kernel as logprobs
+    from humanline_kernels.ops.token_terms import kernel as losses_kernels
     original = _jit.launcher
 
     def launcher(kernel, t):
@@ -110,23 +113,22 @@ def _calls():
                                                               **nv)[0], x, 8, None),
         "fused.dpo": (lambda: hk.fused.dpo(x, y, ref, **nv)[0], x, 8, None),
         "fused.kto": (lambda: hk.fused.kto(x, y, ref, des, *kl_rows, **nv)[0], x, 8, None),
-        "fused_linear.grpo": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **one_chunk)[0], (h, w), 3 + 6, None),
-        # 4 launches a chunk (GEMM, token-terms kernel writing dL/dz in place, dh and dW GEMMs) + 5: over the
-        # budget from 2 chunks on (3 a chunk would need the row kernel inside a GEMM's epilogue)
+        "fused_linear.grpo": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **one_chunk)[0], (h, w), 4 + 5, None),
+        # 4 launches a chunk (GEMM, token-terms kernel writing dL/dz in place, dh and dW GEMMs) + 5
         "fused_linear.grpo(4 chunks)": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **four_chunks)[0], (h, w),
-                                        3 * 4 + 6, 4 * 4 + 5),
+                                        4 * 4 + 5, None),
         # one chunk: GEMM, token-terms kernel, finalize kernel (loss, metrics and w at once), backward kernel in
         # place, dh and dW GEMMs; + 3 in the backward (autograd's seed, dh and dW scaled by grad_output)
-        "fused_linear.dpo": (lambda: hk.fused_linear.dpo(h, w, y, ref, **one_chunk)[0], (h, w), 3 + 6, None),
+        "fused_linear.dpo": (lambda: hk.fused_linear.dpo(h, w, y, ref, **one_chunk)[0], (h, w), 4 + 5, None),
         "fused_linear.kto": (lambda: hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **one_chunk)[0], (h, w),
-                             3 + 6, None),
+                             4 + 5, None),
         # more chunks: 6 a chunk (the finalize over the chunk's rows gives their w) + 4 (the whole batch's finalize
         # for the loss and the metrics); a DPO chunk of some of the pairs has two token ranges, each with its own
         # lm_head, dh and dW GEMMs: 9 a chunk
-        "fused_linear.dpo(2 chunks)": (lambda: hk.fused_linear.dpo(h, w, y, ref, **two_rows)[0], (h, w), 3 * 2 + 6,
+        "fused_linear.dpo(2 chunks)": (lambda: hk.fused_linear.dpo(h, w, y, ref, **two_rows)[0], (h, w), 4 * 2 + 5,
                                        9 * 2 + 4),
         "fused_linear.kto(4 chunks)": (lambda: hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **four_chunks)[0],
-                                       (h, w), 3 * 4 + 6, 6 * 4 + 4),
+                                       (h, w), 4 * 4 + 5, 6 * 4 + 4),
     }
 
 
@@ -140,6 +142,6 @@ def test_launch_count_within_budget_or_ceiling(name, monkeypatch, capsys):
         print(f"\n{name}: {n} launches ({triton} Triton), budget {budget}; aten: {ops}")
     assert triton >= 1, "the kernels did not run"
     if ceiling is None:
-        assert n <= budget, f"{name}: {n} launches, over DESIGN.md's budget of {budget}"
+        assert n <= budget, f"{name}: {n} launches, over docs/design.md's budget of {budget}"
     else:
         assert n <= max(budget, ceiling), f"{name}: {n} launches, more than today's {ceiling} (budget {budget})"

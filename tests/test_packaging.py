@@ -52,8 +52,9 @@ def test_sdist_has_everything_to_build_and_test(dists):
 
 def test_wheel_has_the_package_and_its_license(dists):
     names, meta = dists[1], dists[2]
-    for mod in ("__init__", "reference", "losses", "fused", "fused_linear", "ops/_jit", "ops/logprobs",
-                "ops/losses_kernels", "sync/_syncer", "integrations/trl"):
+    for mod in ("__init__", "reference", "losses", "fused", "fused_linear", "_params", "ops/_jit", "ops/constants",
+                "ops/linear", "ops/logprobs/kernel", "ops/logprobs/eager", "ops/token_terms/kernel",
+                "ops/finalize/kernel", "sync/_syncer", "integrations/trl/__init__", "integrations/trl/grpo"):
         assert f"humanline_kernels/{mod}.py" in names, mod
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "bench/")) for n in names)

@@ -20,12 +20,21 @@ forward/backward. Without that call the copy runs, blocking, in ``on_pre_optimiz
 DeepSpeed: accelerate runs the DeepSpeed optimizer step *inside* ``accelerator.backward``, so
 ``on_pre_optimizer_step`` comes after the update. A plain Trainer under DeepSpeed is refused; the humanline TRL
 trainers call ``reference_done(blocking=True)`` before the backward instead.
+
+:class:`LookaheadTrainerMixin` gives any ``transformers.Trainer`` the lookahead reference
+(:class:`humanline_kernels.LookaheadReference`, docs/lookahead.md): no reference model; at each sync step the
+policy computes the reference log-probs of the coming steps' micro-batches, which reach the training step as
+``inputs["hk_ref_logps"]``.
 """
 from __future__ import annotations
 
-from transformers import TrainerCallback
+import warnings
 
-__all__ = ["HumanlineSyncCallback"]
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import has_length
+
+__all__ = ["HumanlineSyncCallback", "LookaheadTrainerMixin"]
 
 
 class HumanlineSyncCallback(TrainerCallback):
@@ -117,6 +126,11 @@ class HumanlineSyncCallback(TrainerCallback):
         return {} if self.syncer is None else self.syncer.state_dict()
 
 
+def _refuse(cond, msg):
+    if cond:
+        raise ValueError(msg)
+
+
 def _unwrap(module):
     """Strip a DDP / DataParallel wrapper: the reference is never DDP-wrapped (accelerate prepares it in evaluation
     mode), and the syncer wants both models wrapped alike. FSDP and DeepSpeed modules are left to the syncer."""
@@ -124,3 +138,216 @@ def _unwrap(module):
     if name in ("DistributedDataParallel", "DataParallel") and hasattr(module, "module"):
         return module.module
     return module
+
+
+class LookaheadTrainerMixin:
+    """Mix into a ``transformers.Trainer`` (before it in the bases) for the lookahead reference.
+
+    Set ``self.hk_lookahead = True`` and ``self.hk_sync_every = k`` in ``__init__`` and define
+    ``_hk_reference_of(self, policy, inputs)``: the per-token reference log-probs of one micro-batch, computed by
+    ``policy`` (in eval mode, no grad); ``compute_loss`` then finds them as ``inputs["hk_ref_logps"]``
+    (:meth:`_hk_lookahead_refs`). The training data must have a length, the training loop must be transformers 5's
+    (it is followed step by step), and a run cannot resume from a checkpoint (the window's reference log-probs came
+    from a policy that no longer exists); each is refused with the reason. ``hk_la_syncs`` counts the windows
+    computed so far.
+    """
+
+    hk_lookahead = False
+    hk_sync_every = 1
+    hk_la = None
+    hk_la_syncs = 0
+
+    # transformers 5.x Trainer (trainer.py): _inner_training_loop gets the loop's counts from
+    # set_initial_training_values and the dataloader from _prepare_for_training; _run_epoch calls set_epoch(epoch) on
+    # the dataloader and on its batch_sampler.batch_sampler, makes epoch_iterator = iter(train_dataloader), then for
+    # each optimizer step calls get_batch_samples(epoch_iterator, n, device) with n = gradient_accumulation_steps,
+    # or steps_in_epoch % gradient_accumulation_steps for the last step of an epoch, and trains on those micro-batches
+    # (optimizer.step() after the last one). We take over get_batch_samples: a LookaheadReference draws the same
+    # per-step micro-batch lists, in the same order, from a stream that crosses epochs the way _run_epoch does.
+    def _hk_reference_of(self, policy, inputs):
+        """Per-token reference log-probs of a micro-batch, computed by ``policy`` (see the trainers)."""
+        raise NotImplementedError
+
+    def _hk_precheck_lookahead_trainer(self, name):
+        # the stream plans the coming steps from the data's length (a dataset without one restarts whenever it runs
+        # out, with partial steps that transformers trains without an optimizer step)
+        _refuse(self.train_dataset is not None and not has_length(self.train_dataset),
+                f"{name}: {_LOOKAHEAD_NEEDS_LENGTH}")
+        cp = getattr(self, "get_cp_size", lambda: 1)()
+        sp = getattr(self, "get_sp_size", lambda: 1)()
+        _refuse(cp > 1 or sp > 1,
+                f"{name}: humanline_reference='lookahead' does not support context or sequence parallelism (cp_size="
+                f"{cp}, sp_size={sp}): its reference forwards over the coming steps' batches do not split the "
+                "sequences; use humanline_reference='sync'")
+
+    def set_initial_training_values(self, args, dataloader, *a, **k):
+        if self.hk_lookahead and not has_length(dataloader):
+            raise ValueError(f"{type(self).__name__}: {_LOOKAHEAD_NEEDS_LENGTH}")
+        values = super().set_initial_training_values(args, dataloader, *a, **k)
+        # (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
+        #  steps_in_epoch, max_steps): the loop bounds of _inner_training_loop / _run_epoch
+        self._hk_loop = dict(epochs=values[0], updates_per_epoch=values[1], steps_in_epoch=values[5],
+                             max_steps=values[6])
+        return values
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self.hk_lookahead and resume_from_checkpoint is not None:
+            raise ValueError(
+                f"{type(self).__name__}: resume_from_checkpoint is not supported with humanline_reference="
+                "'lookahead' (the checkpoint lacks the reference log-probs already computed for the coming steps, "
+                "from a policy that no longer exists); train from the start or use humanline_reference='sync'")
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        self._hk_train_dataloader, self.hk_la, self.hk_la_syncs = train_dataloader, None, 0
+        self._hk_loop_iterator = self._hk_loop_epoch = None
+        return model, train_dataloader
+
+    def _run_epoch(self, *args, **kwargs):
+        # the epoch the loop runs, to check that the lookahead's stream is in the same one
+        self._hk_loop_epoch = kwargs["epoch"] if "epoch" in kwargs else args[1]
+        return super()._run_epoch(*args, **kwargs)
+
+    def _hk_step_batches(self, first_iterator):
+        """Every optimizer step's list of micro-batches from the current step to max_steps, as _run_epoch draws
+        them: the epoch iterator it made, then, past the end of an epoch, the next epoch's, made as it would make it
+        but earlier (the global torch RNG draws this makes are replayed at the step they belong to: _hk_draw)."""
+        loop, accum = self._hk_loop, self.args.gradient_accumulation_steps
+        remainder = loop["steps_in_epoch"] % accum or accum
+        steps_left = loop["max_steps"] - self.state.global_step
+        epoch, iterator = int(self.state.epoch or 0), first_iterator
+        while steps_left > 0:
+            for update in range(loop["updates_per_epoch"]):
+                n = accum if update != loop["updates_per_epoch"] - 1 else remainder
+                # what Trainer.get_batch_samples draws (n micro-batches), without its num_items count: that may be
+                # a collective (average_tokens_across_devices); it is made for the step when it runs
+                batches = _StepBatches(wanted=n, epoch=epoch, first=update == 0)
+                for _ in range(n):
+                    mb = self._hk_draw(iterator, batches)
+                    if mb is _END:
+                        break
+                    batches.append(mb)
+                yield batches
+                steps_left -= 1
+                if steps_left == 0:
+                    return
+            epoch += 1
+            if epoch >= loop["epochs"]:
+                return
+            loader = self._hk_train_dataloader
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+            if hasattr(inner, "set_epoch"):
+                inner.set_epoch(epoch)
+            iterator = iter(loader)  # _run_epoch's own iterator for this epoch is then never advanced
+
+    def _hk_draw(self, iterator, step):
+        """``next(iterator)`` (or _END), keeping the global CPU RNG as it was. The first draw of an epoch makes
+        torch's DataLoader draw its base seed from that RNG (``_BaseDataLoaderIter.__init__``; a RandomSampler
+        without a generator also draws its seed). The stream draws ahead, at a sync step, while the stock loop draws
+        at the step itself, after the dropout masks of the steps in between: so the draws are undone here and
+        replayed by get_batch_samples at that step (``step.rng_draws``), leaving the RNG stream of the training
+        steps (dropout) the stock loop's."""
+        before = torch.get_rng_state()
+        try:
+            mb = next(iterator)
+        except StopIteration:
+            mb = _END
+        after = torch.get_rng_state()
+        if not torch.equal(before, after):
+            draws = _int64_draws(before, after)
+            if draws is None:  # not a run of seed draws: leave the RNG as the draw left it
+                warnings.warn("humanline_reference='lookahead': the data loader drew from the global torch RNG in a "
+                              "way that cannot be replayed at its step; training is valid, but its random stream "
+                              "(dropout masks) differs from the stock trainer's", RuntimeWarning, stacklevel=2)
+            else:
+                torch.set_rng_state(before)
+                step.rng_draws += draws
+        return mb
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if not self.hk_lookahead:  # (the training loop is its only caller; the model may still be in eval mode)
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        name = type(self).__name__
+        if self.hk_la is None:
+            if getattr(self, "_hk_loop_epoch", None) is None or not hasattr(self, "_hk_loop"):
+                raise RuntimeError(f"{name}: humanline_reference='lookahead' follows the training loop "
+                                   "of transformers 5.x (set_initial_training_values, _prepare_for_training, "
+                                   "_run_epoch); this transformers version does not call them")
+            from ..sync._lookahead import LookaheadReference
+            self.hk_la = LookaheadReference(self.model, self._hk_step_batches(epoch_iterator),
+                                            self._hk_reference_of, every=self.hk_sync_every)
+        new_epoch = epoch_iterator is not self._hk_loop_iterator
+        self._hk_loop_iterator = epoch_iterator
+        try:
+            batches, refs = next(self.hk_la)
+        except StopIteration:
+            batches = None
+        if batches is None or new_epoch != batches.first or (new_epoch and self._hk_loop_epoch != batches.epoch):
+            where = ("asks for a step past the end of the lookahead's planned steps" if batches is None else
+                     f"{'starts' if new_epoch else 'goes on with'} epoch {self._hk_loop_epoch} where the lookahead "
+                     f"planned {'the first' if batches.first else 'a later'} step of epoch {batches.epoch}")
+            raise RuntimeError(
+                f"{name}: the training loop left the lookahead's data plan: it {where}. "
+                "humanline_reference='lookahead' draws the data of the coming steps in advance, following "
+                "transformers' epochs to the end (max_steps); leaving an epoch early (control.should_epoch_stop, "
+                "e.g. from a callback) or another training loop is not supported. Use humanline_reference='sync'.")
+        if not len(batches) == batches.wanted == num_batches:
+            raise RuntimeError(
+                f"{name}: the lookahead drew {len(batches)} of the {batches.wanted} micro-batches it planned for this "
+                f"step, the training loop asks for {num_batches} (a data loader shorter than its length, or an "
+                "unsupported transformers loop?)")
+        # The window of the coming steps is computed now, at the start of the step rather than just before its
+        # optimizer.step(): the parameters are θ_t either way (nothing changes them before the update), no gradient
+        # or activation is alive yet (less memory), and it also holds under DeepSpeed, whose update runs inside
+        # the backward.
+        self.hk_la_syncs += int(self.hk_la.wait())
+        for _ in range(batches.rng_draws):  # this step's data loader seed draws, where the stock loop makes them
+            _seed_draw()
+        batches = [dict(mb, hk_ref_logps=r) for mb, r in zip(batches, refs)]
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _hk_lookahead_refs(self, inputs):
+        if "hk_ref_logps" not in inputs:
+            raise ValueError(f"{type(self).__name__}: with humanline_reference='lookahead' the reference log-probs "
+                             "exist only for the training batches (no reference model); evaluation is not supported")
+        return inputs["hk_ref_logps"]
+
+
+
+_LOOKAHEAD_NEEDS_LENGTH = (
+    "humanline_reference='lookahead' needs a training dataset with a length (not an IterableDataset): it draws "
+    "the batches of the coming steps in advance along transformers' epochs, which a dataset without a length does "
+    "not have (transformers restarts it whenever it runs out, with partial steps that get no optimizer step). "
+    "Materialise the data (e.g. datasets.Dataset.from_generator, or a map-style dataset), or use "
+    "humanline_reference='sync'.")
+
+_END = object()  # the stream's iterator ran out
+
+
+class _StepBatches(list):
+    """One optimizer step's micro-batches (a list, as LookaheadReference takes them), with the plan they follow:
+    how many were asked for (fewer come if the data runs out early), the epoch, whether the step is the epoch's
+    first, and the global RNG draws the data loader made for them (replayed at the step)."""
+
+    def __init__(self, *, wanted, epoch, first):
+        super().__init__()
+        self.wanted, self.epoch, self.first, self.rng_draws = wanted, epoch, first, 0
+
+
+def _seed_draw():
+    """One draw of the global CPU RNG as torch's DataLoader makes it for its base seed (and a RandomSampler for
+    its seed)."""
+    torch.empty((), dtype=torch.int64).random_()
+
+
+def _int64_draws(before, after, limit=8):
+    """How many :func:`_seed_draw` calls take the global CPU RNG from state ``before`` to ``after``; None if no
+    such run does. Leaves the RNG at ``after``."""
+    torch.set_rng_state(before)
+    for n in range(1, limit + 1):
+        _seed_draw()
+        if torch.equal(torch.get_rng_state(), after):
+            return n
+    torch.set_rng_state(after)
+    return None
+

@@ -1,0 +1,184 @@
+"""What the humanline TRL trainers share: set-up and prechecks, the reference forward, syncing (a reference model,
+a PEFT reference adapter, or the lookahead), logging."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from accelerate.utils import is_peft_model
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import use_adapter
+
+from ... import losses
+from .._head import install_head
+from ..transformers import HumanlineSyncCallback, LookaheadTrainerMixin, _refuse
+from .config import reference_mode
+
+
+# The frozen reference adapter the trainers keep on a PEFT policy: TRL's own name for a PEFT reference adapter, so
+# TRL's reference forwards (GRPO's included) use it; an existing "ref" adapter (TRL's re-training convention: the
+# initial copy of the adapter) is the starting reference and is then synced.
+HK_REF_ADAPTER = "ref"
+
+
+def _checkpointing_on(args):
+    """Activation (gradient) checkpointing requested in the training arguments, under either of its names."""
+    return bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False))
+
+
+
+
+def _precheck_common(name, args, model, peft_config, humanline):
+    _refuse(getattr(args, "precompute_ref_log_probs", False),
+            f"{name}: precompute_ref_log_probs=True stores only summed reference log-probs; the humanline losses need "
+            "per-token reference log-probs from a live reference model. Set precompute_ref_log_probs=False.")
+    if humanline:
+        _refuse(args.sync_ref_model,
+                f"{name}: sync_ref_model=True (TR-DPO, syncs after the update) conflicts with humanline syncing "
+                "(before the update, every sync_every steps). Set sync_ref_model=False.")
+    _refuse(getattr(args, "padding_free", False), f"{name}: padding_free=True is not supported")
+
+
+def _precheck_lookahead(name, args, ref_model):
+    if ref_model is not None:
+        raise ValueError(f"{name}: humanline_reference='lookahead' uses no reference model (the policy computes the "
+                         "reference log-probs); do not pass ref_model, or use humanline_reference='sync'")
+    _refuse(args.eval_strategy != "no",
+            f"{name}: evaluation needs reference log-probs of the evaluation batches, which humanline_reference="
+            "'lookahead' does not have (no reference model); set eval_strategy='no' or use humanline_reference='sync'")
+
+
+def _lookahead_init(trainer, args, ref_model, trl_module):
+    """Set ``trainer.hk_lookahead`` from ``args``; the context TRL's ``__init__`` runs in (with the lookahead: the
+    lookahead's prechecks, then no reference model loaded)."""
+    name = type(trainer).__name__
+    trainer.hk_lookahead = reference_mode(args, name) == "lookahead"
+    if not trainer.hk_lookahead:
+        return contextlib.nullcontext()
+    _precheck_lookahead(name, args, ref_model)
+    return _no_trl_reference(trainer, trl_module)
+
+
+@contextlib.contextmanager
+def _no_trl_reference(trainer, trl_module):
+    """Keep TRL from loading a reference model. TRL 1.16 (dpo_trainer.py 908-927, kto_trainer.py 919-938) loads one
+    with ``create_model_from_path(get_config_model_id(self.model.config), ...)`` when ``ref_model`` is None, unless
+    the policy is a PEFT model or ``precompute_ref_log_probs`` is set (which would precompute summed log-probs, hash
+    the model and, under FSDP, still load a reference). The same function loads a policy given by path earlier in
+    ``__init__``, before ``self.model`` is set (Trainer.__init__): so calls made once the trainer has its model
+    are the reference's, and get None (TRL then skips every reference step: ``if self.ref_model is not None``)."""
+    load = trl_module.create_model_from_path
+
+    def policy_only(*args, **kwargs):
+        return None if "model" in vars(trainer) else load(*args, **kwargs)
+    trl_module.create_model_from_path = policy_only
+    try:
+        yield
+    finally:
+        trl_module.create_model_from_path = load
+
+
+
+class HumanlineMixin(LookaheadTrainerMixin):
+    """Set-up shared by the three trainers: head patching, the sync callback, metric logging."""
+
+    def _hk_setup(self, temperature=1.0):
+        name = type(self).__name__
+        peft_policy = self.ref_model is None and is_peft_model(self.model)
+        self.hk_la, self.hk_la_syncs = None, 0
+        if self.hk_lookahead:
+            # no reference model and no reference adapter: the policy computes the reference log-probs
+            if self.ref_model is not None:
+                raise RuntimeError(f"{name}: TRL built a reference model despite humanline_reference='lookahead'")
+            self._hk_precheck_lookahead_trainer(name)
+        elif self.ref_model is None and self.hk_humanline and not peft_policy:
+            raise ValueError(f"{name}: humanline needs a reference model (pass ref_model=... or let TRL build one)")
+        _refuse(self.hk_fused != "off" and getattr(self, "aux_loss_enabled", False),
+                f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        install_head(policy, self.hk_fused, temperature)
+        self.hk_sync = None
+        if self.hk_lookahead:
+            return
+        if self.ref_model is not None:
+            install_head(_hf_module(self.ref_model), self.hk_fused, temperature, entropy=False)
+        if self.hk_humanline and peft_policy:
+            # PEFT: the reference is a frozen second adapter synced from the trained one (TRL's adapter-disabled
+            # reference is the base model, not the pre-update policy that humanline needs); added now, before
+            # accelerate wraps the model, so that DDP / FSDP wrap it like the trained adapter
+            from ...sync._adapters import ensure_reference_adapter
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            train_adapter = unwrapped.active_adapter
+            ensure_reference_adapter(unwrapped, train=train_adapter, reference=HK_REF_ADAPTER)
+            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, adapters=(train_adapter, HK_REF_ADAPTER))
+            self.hk_sync._allow_deepspeed = True
+            self.add_callback(self.hk_sync)
+        elif self.hk_humanline:
+            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, ref_model=self.ref_model)
+            self.hk_sync._allow_deepspeed = True  # we sync before the backward under DeepSpeed (reference_done)
+            self.add_callback(self.hk_sync)
+
+    def _hk_reference_done(self, boundary_only=True):
+        """After the step's last reference forward: start the copy (DeepSpeed: finish it before the backward)."""
+        if self.hk_sync is None or not self.model.training:
+            return
+        if boundary_only and not self.accelerator.sync_gradients:
+            return
+        self.hk_sync.reference_done(blocking=self.is_deepspeed_enabled)
+
+    def _hk_ref_forward(self, kwargs, labels, T, policy=None):
+        """Reference per-token log-probs (no grad) of the last ``T`` positions, fp32, from ``self.ref_model``, the
+        adapter-disabled PEFT policy or, with the lookahead, ``policy`` itself (in eval mode, put there by
+        ``LookaheadReference``)."""
+        return self._hk_ref_logps(kwargs, labels, policy)[:, -T:].float()
+
+    def _hk_ref_logps(self, kwargs, labels, policy):
+        # only when checkpointing is on: TRL's helper asks the model about it through deprecated transformers 5 names
+        ckpt = (disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+                if _checkpointing_on(self.args) else contextlib.nullcontext())
+        with torch.no_grad(), ckpt:
+            if policy is not None:
+                # no entropy: a reference needs none (TRL's head, fused="off", computes its fixed outputs anyway)
+                extra = {"hk_entropy": False} if self.hk_fused != "off" else {}
+                return policy(**kwargs, labels=labels, fused_lm_head=True, **extra).log_probs
+            if self.ref_model is None and is_peft_model(self.model):
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                    return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
+            return self.ref_model(**kwargs, labels=labels, fused_lm_head=True).log_probs
+
+    def _hk_log_common(self, mode, out, mask, attention_mask, clip_counts):
+        """TRL's entropy/num_tokens metrics and ours, token-weighted across ranks, one host sync."""
+        n_in, n = clip_counts
+        ent = out.entropy
+        ent_sum = (ent[:, -mask.size(1):].detach() * mask).sum() if ent is not None else n.new_zeros(())
+        stats = torch.stack([n_in, n, ent_sum.to(n.dtype), mask.sum().to(n.dtype),
+                             attention_mask.sum().to(n.dtype)]).detach()
+        n_in, n, ent_sum, n_tok, n_att = self.accelerator.reduce(stats, reduction="sum").tolist()
+        m = self._metrics[mode]
+        if ent is not None:
+            m["entropy"].append(ent_sum / n_tok if n_tok > 0 else 0.0)
+        if mode == "train":
+            self._total_train_tokens += int(n_att) // getattr(self, "_tp_size", 1)
+        m["num_tokens"] = [self._total_train_tokens]
+        m["humanline/unclipped_frac"].append(n_in / n if n > 0 else 1.0)
+
+    def log(self, logs, start_time=None):
+        if self.model.training and (self.hk_sync is not None or self.hk_lookahead):
+            # reference syncs (lookahead: window computations) so far, every sync_every steps
+            logs["humanline/num_syncs"] = self.hk_la_syncs if self.hk_lookahead else self.hk_sync.num_syncs
+        super().log(logs, start_time)
+
+
+def _hf_module(module):
+    """The transformers model inside a DeepSpeed engine / FSDP1 wrapper (FSDP2 and plain modules are it)."""
+    while not hasattr(module, "config") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _clip_counts(logps, ref_logps, mask, clip):
+    with torch.no_grad():
+        clipped, n_in, n = losses.clip_log_ratio(logps.detach(), ref_logps, mask, clip)
+    return clipped, (n_in, n)
+

@@ -1,0 +1,89 @@
+"""The humanline trainers' configs: TRL's configs plus one shared set of fields, checked once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import DPOConfig, GRPOConfig, KTOConfig
+
+from ..._clip import HumanlineClip
+from .._head import FUSED_MODES
+
+__all__ = ["HumanlineDPOConfig", "HumanlineKTOConfig", "HumanlineGRPOConfig", "hk_settings", "reference_mode"]
+
+REFERENCE_MODES = ("sync", "lookahead")
+
+
+def _hk_field(default, help_):
+    return field(default=default, metadata={"help": help_})
+
+
+@dataclass
+class _HumanlineFields:
+    """The fields every humanline config adds to TRL's, and their checks (after TRL's own ``__post_init__``)."""
+
+    humanline: bool = _hk_field(True, "Humanline clipping and pre-update reference syncing (False: plain objective).")
+    log_eps_p: float = _hk_field(-1.5, "Lower end of the per-token log-ratio clip band (paper: -1.5).")
+    log_eps_r: float = _hk_field(1.5, "Upper end of the per-token log-ratio clip band (paper: 1.5).")
+    sync_every: int = _hk_field(1, "Sync the reference from the policy every this many optimizer steps.")
+    fused: str = _hk_field("linear", "Per-token log-probs: 'linear' (hidden+lm_head), 'logits' or 'off' (TRL's).")
+    humanline_reference: str = _hk_field(
+        "sync", "'sync': a reference model synced from the policy; 'lookahead' (DPO/KTO): no reference model, the "
+        "policy computes the reference log-probs of the coming steps' batches at each sync step.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        hk_settings(self)
+        reference_mode(self, type(self).__name__)
+
+
+def hk_settings(args):
+    """Validated ``(humanline, clip, sync_every, fused)`` from a humanline config or a plain TRL config."""
+    humanline = getattr(args, "humanline", True)
+    if not isinstance(humanline, bool):
+        raise ValueError(f"humanline must be a bool, got {humanline!r}")
+    clip = HumanlineClip(getattr(args, "log_eps_p", -1.5), getattr(args, "log_eps_r", 1.5))
+    every = getattr(args, "sync_every", 1)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"sync_every must be a positive int, got {every!r}")
+    fused = getattr(args, "fused", "linear")
+    if fused not in FUSED_MODES:
+        raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")
+    return humanline, (clip if humanline else None), every, fused
+
+
+def reference_mode(args, name):
+    """Validated ``humanline_reference`` ("sync" or "lookahead") from a humanline or a plain TRL config."""
+    mode = getattr(args, "humanline_reference", "sync")
+    if mode not in REFERENCE_MODES:
+        raise ValueError(f"{name}: humanline_reference must be one of {REFERENCE_MODES}, got {mode!r}")
+    if mode == "lookahead" and not getattr(args, "humanline", True):
+        raise ValueError(f"{name}: humanline_reference='lookahead' needs humanline=True (with humanline off the "
+                         "reference is the fixed initial model; use humanline_reference='sync')")
+    if mode == "lookahead" and isinstance(args, GRPOConfig):
+        raise ValueError(f"{name}: {GRPO_NO_LOOKAHEAD}")
+    return mode
+
+
+GRPO_NO_LOOKAHEAD = (
+    "humanline_reference='lookahead' is not available for GRPO: its data is generated online, so the batch of "
+    "step t+1 (the policy's own completions after step t's update) does not exist at step t, before the update, "
+    "when the lookahead would have to compute its reference log-probs. Use humanline_reference='sync' (or a PEFT "
+    "policy, whose reference is a second adapter rather than a second model).")
+
+
+@dataclass
+class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
+    """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
+    ``humanline_reference``."""
+
+
+@dataclass
+class HumanlineKTOConfig(_HumanlineFields, KTOConfig):
+    """``trl.KTOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
+    ``humanline_reference``."""
+
+
+@dataclass
+class HumanlineGRPOConfig(_HumanlineFields, GRPOConfig):
+    """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``
+    (``humanline_reference`` must stay "sync")."""

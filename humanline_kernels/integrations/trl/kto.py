@@ -1,0 +1,117 @@
+"""``HumanlineKTOTrainer``: TRL's KTO trainer with humanline clipping and syncing."""
+from __future__ import annotations
+
+import torch
+from trl import KTOTrainer
+from trl.trainer import kto_trainer as _kto_module
+
+from ... import losses
+from ._common import HumanlineMixin, _clip_counts, _lookahead_init, _precheck_common, _refuse
+from .config import HumanlineKTOConfig, hk_settings
+
+_KTO_NON_MODEL = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
+                  "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps", "hk_ref_logps"}
+
+
+class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
+    """``trl.KTOTrainer`` with humanline clipping and syncing (``loss_type="kto"``; KL baseline as in HALOs)."""
+
+    def __init__(self, model, ref_model=None, args=None, *posargs, peft_config=None, **kwargs):
+        if args is None:
+            args = HumanlineKTOConfig("humanline-kto")
+        self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = hk_settings(args)
+        _precheck_common(type(self).__name__, args, model, peft_config, self.hk_humanline)
+        _refuse(args.loss_type != "kto", f"HumanlineKTOTrainer supports loss_type='kto' only, got {args.loss_type!r}")
+        with _lookahead_init(self, args, ref_model, _kto_module):
+            super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
+        self._hk_setup()
+
+    def _hk_inputs(self, batch):
+        """Model keyword arguments, labels and completion mask ``[B, T]`` of a micro-batch."""
+        kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL}
+        kw["use_cache"] = False
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+        return kw, labels, batch["completion_mask"][:, 1:].bool()
+
+    def _hk_reference_of(self, policy, batch):
+        """The rows' reference log-probs and, when KTO estimates its KL baseline, the KL rows' after them on the
+        same rows (``[B, T + T_KL]``: LookaheadReference keeps one tensor per micro-batch)."""
+        batch = self._prepare_inputs(batch)  # (on the device, as training_step does)
+        kw, labels, mask = self._hk_inputs(batch)
+        ref = self._hk_ref_forward(kw, labels, mask.size(1), policy)
+        if not self.calculate_KL:
+            return ref
+        kl_kw, kl_labels, kl_mask = self._hk_kl_inputs(batch)
+        return torch.cat([ref, self._hk_ref_forward(kl_kw, kl_labels, kl_mask.size(1), policy)], 1)
+
+    def _hk_kl_inputs(self, batch):
+        kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL | {"input_ids", "attention_mask"}}
+        kw.update(input_ids=batch["KL_input_ids"], attention_mask=batch["KL_attention_mask"], use_cache=False)
+        for k in ("token_type_ids", "mm_token_type_ids"):
+            if "KL_" + k in batch:
+                kw[k] = batch["KL_" + k]
+        labels = batch["KL_input_ids"].masked_fill(batch["KL_completion_mask"] == 0, -100)
+        return kw, labels, batch["KL_completion_mask"][:, 1:].bool()
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        mode = "train" if self.model.training else "eval"
+        dev = self.accelerator.device
+        batch = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=dev)
+        kw, labels, mask = self._hk_inputs(batch)
+        T = mask.size(1)
+        kl = kl_ref = kl_mask = None
+        if self.calculate_KL:
+            kl_kw, kl_labels, kl_mask = self._hk_kl_inputs(batch)
+        if self.hk_lookahead:
+            ref_logps = self._hk_lookahead_refs(batch)
+            ref_logps, kl_ref = (ref_logps[:, :T], ref_logps[:, T:]) if self.calculate_KL else (ref_logps, None)
+        else:
+            if self.calculate_KL:
+                kl_ref = self._hk_ref_forward(kl_kw, kl_labels, kl_mask.size(1))
+            ref_logps = self._hk_ref_forward(kw, labels, T)
+            self._hk_reference_done()
+        if self.calculate_KL:
+            with torch.no_grad():  # the KL rows only set the detached baseline z0
+                kl = model(**kl_kw, labels=kl_labels, fused_lm_head=True).log_probs[:, -kl_mask.size(1):].float()
+        out = model(**kw, labels=labels, fused_lm_head=True)
+        logps = out.log_probs[:, -T:].float()
+        loss, met = losses.kto(logps, ref_logps, mask, desirable, kl, kl_ref, kl_mask, clip=self.hk_clip,
+                               beta=self.beta, desirable_weight=self.desirable_weight,
+                               undesirable_weight=self.undesirable_weight)
+        if self.aux_loss_enabled and out.aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss
+        self._hk_log_kto(mode, out, logps, ref_logps, mask, desirable, met["kl"], batch["attention_mask"])
+        if return_outputs:
+            with torch.no_grad():
+                return loss, model(**kw)
+        return loss
+
+    def _hk_log_kto(self, mode, out, logps, ref_logps, mask, desirable, z0, attention_mask):
+        clipped, counts = _clip_counts(logps, ref_logps, mask, self.hk_clip)
+        self._hk_log_common(mode, out, mask, attention_mask, counts)
+        with torch.no_grad():
+            r, lp, d = self.beta * clipped.sum(1), logps.detach().sum(1), desirable.float()
+            s = torch.stack([(r * d).sum(), (lp * d).sum(), d.sum(), (r * (1 - d)).sum(), (lp * (1 - d)).sum(),
+                             (1 - d).sum()])
+            if out.mean_logits is not None:
+                ml = out.mean_logits[:, -mask.size(1):] * mask
+                md = mask & desirable[:, None]
+                mu = mask & ~desirable[:, None]
+                s = torch.cat([s, torch.stack([(ml * md).sum(), md.sum().float(), (ml * mu).sum(), mu.sum().float()])])
+            s = self.accelerator.reduce(s, reduction="sum").tolist()
+        m = self._metrics[mode]
+        m["kl"].append(float(z0))
+        if s[2] > 0:
+            m["rewards/chosen"].append(s[0] / s[2])
+            m["logps/chosen"].append(s[1] / s[2])
+        if s[5] > 0:
+            m["rewards/rejected"].append(s[3] / s[5])
+            m["logps/rejected"].append(s[4] / s[5])
+        if s[2] > 0 and s[5] > 0:
+            m["rewards/margins"].append(s[0] / s[2] - s[3] / s[5])
+        if len(s) > 6:
+            if s[7] > 0:
+                m["logits/chosen"].append(s[6] / s[7])
+            if s[9] > 0:
+                m["logits/rejected"].append(s[8] / s[9])
