@@ -7,7 +7,7 @@ Stages, in order (each one's output goes to ``DIR/gpu.log``; a failing stage is 
 1. ``tests``: the GPU tests (``pytest -m gpu``: compiled kernels, asserted to be the path that ran);
 2. ``parity``: every fused path against ``hk.reference`` at N = 8192, V = 128256, bf16 -- ``token_logprobs``, GRPO
    (clip on and off, each ``loss_type``, gradient in the forward, in place), DPO, KTO, fused linear at D = 4096 --
-   with DESIGN.md's tolerances (log-probs 2e-3 absolute, loss 2e-3, gradients 1e-2 relative norm);
+   with docs/design.md's tolerances (log-probs 2e-3 absolute, loss 2e-3, gradients 1e-2 relative norm);
 3. ``demo``: ``python -m humanline_kernels.demo --device cuda`` (2 seeds, one learning rate, 30 steps);
 4. ``host``, ``logits``, ``linear``, ``sync``: the benchmarks (``python -m bench NAME``), JSON and PNG into DIR;
 5. ``e2e``: one DPO step of a 1.5 B Llama, offline vs humanline sync / lookahead / the authors' way.

@@ -189,7 +189,7 @@ def _plot(rows, path, meta):
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(pts) + 1.2))
     ax.barh([n for n, _ in pts][::-1], [v for _, v in pts][::-1])
     ax.set_xscale("log")
-    ax.axvline(1.05, color="r", ls="--", lw=1, label="target 1.05x (DESIGN.md)")
+    ax.axvline(1.05, color="r", ls="--", lw=1, label="target 1.05x (docs/design.md)")
     ax.set_xlabel("fwd+bwd time / bare lm_head GEMM fwd+bwd")
     ax.set_title(f"fused linear, N={meta['N']} D={meta['D']} V={meta['V']} ({common.env_info()['device']})",
                  fontsize=8)

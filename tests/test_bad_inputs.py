@@ -1,4 +1,4 @@
-"""Every bad input of DESIGN.md raises a ValueError naming the argument, before any work is done."""
+"""Every bad input of docs/design.md raises a ValueError naming the argument, before any work is done."""
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """``ReferenceSyncer``: copy the policy's weights into the reference every ``every`` optimizer steps, before the step.
 
-Step counting (DESIGN.md "Sync"): ``step`` counts optimizer steps from 0 and advances by one in ``wait()``,
+Step counting (docs/design.md, "Syncing"): ``step`` counts optimizer steps from 0 and advances by one in ``wait()``,
 which is called exactly once per optimizer step, right before ``optimizer.step()``. Step t is a sync step when
 ``t % every == 0``. ``start()`` may be called at most once per step, after the *last* reference forward of
 the step (with gradient accumulation: after all micro-batches' reference forwards); it launches the copy on
