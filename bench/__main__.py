@@ -11,7 +11,8 @@ SUITES = {"logits": ("bench.bench_logits", "logits path: token log-probs and fus
           "linear": ("bench.bench_linear", "fused linear path (hidden + lm_head weight), vs the GEMM floor and peers"),
           "sync": ("bench.bench_sync", "reference sync: copy bandwidth, overlap with compute, FSDP2 step"),
           "host": ("bench.bench_host", "kernel launches and CPU enqueue vs GPU time of one loss call"),
-          "e2e": ("bench.bench_e2e", "one DPO step of a 1.5 B Llama: offline vs humanline sync, lookahead, the authors' way"),
+          "e2e": ("bench.bench_e2e",
+                  "one DPO step of a 1.5 B Llama: offline vs humanline sync, lookahead, the authors' way"),
           "gpu": ("bench.bench_gpu", "GPU machine: GPU tests, parity at N=8192 V=128256, demo, all benchmarks")}
 
 

@@ -99,8 +99,7 @@ def _cases(h, w, y, ref, adv, chunk_bytes, quick):
         cases["trl_chunked_logprob_grpo"] = f"unavailable: {type(e).__name__}: {e}"[:120]
 
     try:
-        from liger_kernel.chunked_loss import (LigerFusedLinearDPOLoss, LigerFusedLinearGRPOLoss,
-                                               LigerFusedLinearKTOLoss)
+        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss, LigerFusedLinearGRPOLoss, LigerFusedLinearKTOLoss
         lg = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo")
         ld = LigerFusedLinearDPOLoss(beta=0.1, use_ref_model=False)
         lk = LigerFusedLinearKTOLoss(beta=0.1, use_ref_model=False)

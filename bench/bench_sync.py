@@ -71,12 +71,13 @@ def bench_copy(device, scale):
         numel = sum(p.numel() for p in src)
         nbytes = numel * (st.itemsize + dt.itemsize)
         syncer = __import__("humanline_kernels").ReferenceSyncer(pol, ref, overlap=False)
-        impls = {"_foreach_copy_": lambda: torch._foreach_copy_(dst, src),
-                 "per-tensor copy_": lambda: [d.copy_(s) for d, s in zip(dst, src)],
+        # the tensors are bound as defaults: the names are deleted after the loop (free the memory between layouts)
+        impls = {"_foreach_copy_": lambda dst=dst, src=src: torch._foreach_copy_(dst, src),
+                 "per-tensor copy_": lambda dst=dst, src=src: [d.copy_(s) for d, s in zip(dst, src)],
                  "ReferenceSyncer.sync()": syncer.sync}
         if ext is not None and device == "cuda":
             stream = torch.cuda.current_stream().cuda_stream
-            impls = {"hk kernel": lambda: ext.multi_tensor_copy(dst, src, stream), **impls}
+            impls = {"hk kernel": lambda dst=dst, src=src: ext.multi_tensor_copy(dst, src, stream), **impls}
         for name, fn in impls.items():
             ms = common.time_ms(fn)
             rows.append({"impl": name, "src": str(st)[6:], "dst": str(dt)[6:], "params": numel, "tensors": len(src),
@@ -116,14 +117,14 @@ def bench_overlap(device, scale, gemms):
 
 
 def bench_fsdp2(device):
+    import socket
+
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import humanline_kernels as hk
-    import socket
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]

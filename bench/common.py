@@ -17,7 +17,8 @@ def env_info() -> dict:
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "device": (torch.cuda.get_device_name() if torch.cuda.is_available()
+                   else f"cpu ({platform.processor() or platform.machine()})"),
         "cuda": torch.version.cuda,
     }
     try:

@@ -356,9 +356,9 @@ def print_table(best, info, out):
         rate = f"{r['rule_rate']:.3f} +- {r['se']:.3f}"
         print(f"{arm:<18} {rate:>15} {r['heldout']:>8.3f} {cf:>9} {r['syncs']:>5} {r['wall_s']:>7.2f} "
               f"{r['sample_s']:>8.2f} {r['lr']:>8.0e}", file=out)
-    print("rule_rate: reported prompts, mean +- s.e. over seeds at the arm's best learning rate (chosen on the held-out "
-          "prompts: heldout); clip_frac: mean fraction of tokens clamped; wall_s: seconds per run of training, "
-          "sampling included (sample_s).", file=out)
+    print("rule_rate: reported prompts, mean +- s.e. over seeds at the arm's best learning rate (chosen on the "
+          "held-out prompts: heldout); clip_frac: mean fraction of tokens clamped; wall_s: seconds per run of "
+          "training, sampling included (sample_s).", file=out)
 
 
 def plot(best, path, info):

@@ -1,8 +1,8 @@
 r"""Humanline losses and token log-probs straight from logits.
 
 ``logits [..., V]`` (bf16/fp16/fp32, last dimension contiguous, any other strides: a ``logits[:, :-1]`` view is
-used as is), ``labels [...]`` int64 with ``ignore_index`` marking tokens that do not count. Each public function checks its
-arguments once, builds its loss's params object (:mod:`humanline_kernels._params`) and decides once
+used as is), ``labels [...]`` int64 with ``ignore_index`` marking tokens that do not count. Each public function
+checks its arguments once, builds its loss's params object (:mod:`humanline_kernels._params`) and decides once
 (:func:`humanline_kernels.ops.use_kernels`): CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) go through
 the Triton kernels (see ``docs/kernels.md``); other CPU tensors, fp64 logits and fp64 reference log-probs through
 the eager path (chunked eager log-probs, :mod:`humanline_kernels.ops.logprobs.eager`, then

@@ -240,8 +240,9 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     inp = GRPOInputs(advantages, kl_ref_logps, norm)
     V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
     V.check_grpo(p, labels.shape, ref_logps, inp)
-    loss, met = _LinearLoss.apply(p, chunk_bytes, ops.use_kernels(hidden, ref_logps, kl_ref_logps),
-                                  _need(hidden, weight, bias), hidden, weight, bias, labels, *_distinct(ref_logps, *inp))
+    kernels = ops.use_kernels(hidden, ref_logps, kl_ref_logps)
+    loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), hidden, weight, bias, labels,
+                                  *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)
 
 
@@ -272,6 +273,7 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
     V.check_kto(p, labels.shape[0], labels.device, inp)
     if losses.distributed():  # z0 is known before any chunk runs: all-reduced across ranks
         inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps))
-    loss, met = _LinearLoss.apply(p, chunk_bytes, ops.use_kernels(hidden, ref_logps, kl_logps, kl_ref_logps),
-                                  _need(hidden, weight, bias), hidden, weight, bias, labels, *_distinct(ref_logps, *inp))
+    kernels = ops.use_kernels(hidden, ref_logps, kl_logps, kl_ref_logps)
+    loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), hidden, weight, bias, labels,
+                                  *_distinct(ref_logps, *inp))
     return loss, named_metrics("kto", met)

@@ -31,7 +31,7 @@ def _model(kind):
     model = peft.get_peft_model(tiny.tiny_model(seed=0), CONFIGS[kind]())
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a non-trivial starting adapter (LoRA's B starts at 0)
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
     return model

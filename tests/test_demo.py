@@ -84,7 +84,8 @@ def test_tuning_picks_by_heldout_only():
 
 def test_verdict_follows_the_numbers():
     def best(hl, on, off, se=0.01, hl_wall=1.0, on_wall=2.5):
-        mk = lambda a, v, w: {"arm": a, "rule_rate": v, "se": se, "wall_s": w}
+        def mk(a, v, w):
+            return {"arm": a, "rule_rate": v, "se": se, "wall_s": w}
         return {"offline+humanline": mk("offline+humanline", hl, hl_wall), "online": mk("online", on, on_wall),
                 "offline": mk("offline", off, hl_wall)}
     v = demo.verdict(best(0.50, 0.505, 0.2), "dpo")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import humanline_kernels as hk
-from humanline_kernels import reference as R
 from humanline_kernels import ops
+from humanline_kernels import reference as R
 from humanline_kernels.ops import linear as LC
 
 # Import triton and decorate the kernels now, under conftest's TRITON_INTERPRET=1: a first import while a test has

@@ -2,7 +2,8 @@
 logits gradients; GRPO gradient-in-forward; in-place backward; eager fallback; custom-op registration."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import humanline_kernels as hk
 from humanline_kernels import _params as P

@@ -6,9 +6,9 @@ or the eager path.
 """
 import pytest
 import torch
+from test_fused_losses import _data, _run
 
 import humanline_kernels as hk
-from test_fused_losses import _data, _run
 
 pytestmark = pytest.mark.gpu
 

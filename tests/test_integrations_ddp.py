@@ -91,8 +91,12 @@ def _trainer_worker(rank, world, port, out_dir):
         "hk_trl_tests", os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_integrations_trl.py"))
     T = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(T)
-    from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer, HumanlineKTOConfig,
-                                                    HumanlineKTOTrainer)
+    from humanline_kernels.integrations.trl import (
+        HumanlineDPOConfig,
+        HumanlineDPOTrainer,
+        HumanlineKTOConfig,
+        HumanlineKTOTrainer,
+    )
     path = os.path.join(out_dir, "tiny")
     kw = dict(T.COMMON, output_dir=out_dir, max_steps=2, learning_rate=5e-2, ddp_backend="gloo")
     res = {}

@@ -9,9 +9,14 @@ import torch
 pytest.importorskip("trl")
 from transformers import TrainerCallback  # noqa: E402
 
-from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer,  # noqa: E402
-                                                HumanlineGRPOConfig, HumanlineGRPOTrainer, HumanlineKTOConfig,
-                                                HumanlineKTOTrainer)
+from humanline_kernels.integrations.trl import (  # noqa: E402
+    HumanlineDPOConfig,
+    HumanlineDPOTrainer,
+    HumanlineGRPOConfig,
+    HumanlineGRPOTrainer,
+    HumanlineKTOConfig,
+    HumanlineKTOTrainer,
+)
 
 _spec = importlib.util.spec_from_file_location(
     "hk_trl_tests", os.path.join(os.path.dirname(__file__), "test_integrations_trl.py"))

@@ -15,9 +15,14 @@ pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATION
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer  # noqa: E402
 
-from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer,  # noqa: E402
-                                                HumanlineGRPOConfig, HumanlineGRPOTrainer, HumanlineKTOConfig,
-                                                HumanlineKTOTrainer)
+from humanline_kernels.integrations.trl import (  # noqa: E402
+    HumanlineDPOConfig,
+    HumanlineDPOTrainer,
+    HumanlineGRPOConfig,
+    HumanlineGRPOTrainer,
+    HumanlineKTOConfig,
+    HumanlineKTOTrainer,
+)
 
 _spec = importlib.util.spec_from_file_location(
     "hk_tiny", os.path.join(os.path.dirname(__file__), "..", "examples", "tiny.py"))

@@ -8,10 +8,10 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run
 from torch import nn
 
 import humanline_kernels as hk
-from _dist import run
 
 V, D, T = 37, 16, 7
 
@@ -175,7 +175,7 @@ def test_ends_cleanly_mid_window_and_protocol_errors():
     data = make_data(5, 1, seed=8)  # every = 3: the second window has 1 batch of 3
     la = hk.LookaheadReference(_same_init(), data, logps_fn, every=3)
     n = 0
-    for batch, ref in la:
+    for _batch, _ref in la:
         n += 1
         la.wait()
     assert n == 5 and la.step == 5
@@ -217,7 +217,7 @@ def test_no_second_copy_of_the_parameters():
     synced_bytes = _param_bytes() - base
     del ref
     la = hk.LookaheadReference(pol, data, logps_fn, every=1)
-    for batch, r in la:
+    for _batch, _r in la:
         la.wait()
     look_bytes = _param_bytes() - base
     assert one > 0 and synced_bytes == 2 * one and look_bytes == one

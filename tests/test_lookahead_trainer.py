@@ -13,9 +13,14 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 import humanline_kernels.integrations.trl as hk_trl  # noqa: E402
-from humanline_kernels.integrations.trl import (HumanlineDPOConfig, HumanlineDPOTrainer,  # noqa: E402
-                                                HumanlineGRPOConfig, HumanlineGRPOTrainer, HumanlineKTOConfig,
-                                                HumanlineKTOTrainer)
+from humanline_kernels.integrations.trl import (  # noqa: E402
+    HumanlineDPOConfig,
+    HumanlineDPOTrainer,
+    HumanlineGRPOConfig,
+    HumanlineGRPOTrainer,
+    HumanlineKTOConfig,
+    HumanlineKTOTrainer,
+)
 
 pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS)
 

@@ -286,7 +286,8 @@ def test_token_logprobs_eager_matches_reference(monkeypatch, dtype, temperature)
     g = torch.randn(3, 5)
     (ref * g).sum().backward()
     (got * g).sum().backward()
-    torch.testing.assert_close(x2.grad.float(), x1.grad.float(), rtol=1e-2, atol=1e-2 if dtype != torch.float32 else 1e-6)
+    torch.testing.assert_close(x2.grad.float(), x1.grad.float(), rtol=1e-2,
+                               atol=1e-2 if dtype != torch.float32 else 1e-6)
 
 
 def test_eager_chunks_never_hold_whole_fp32_logits():

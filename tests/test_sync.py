@@ -78,7 +78,7 @@ def test_grad_accumulation_counts_optimizer_steps():
     opt = torch.optim.SGD(pol.parameters(), lr=0.5)
     xs = torch.randn(3, 4, 5)
     synced = []
-    for t in range(4):
+    for _ in range(4):
         with torch.no_grad():
             [ref(x) for x in xs]  # all micro-batches' reference forwards first
         synced.append(syncer.start())

@@ -11,10 +11,10 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run
 from torch import nn
 
 import humanline_kernels as hk
-from _dist import run
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 

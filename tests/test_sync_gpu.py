@@ -47,10 +47,9 @@ def test_side_stream_overlap(use_kernel):
 
 
 def test_fsdp2_world_size_1_nccl():
+    from _dist import free_port
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from _dist import free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -20,6 +20,7 @@ nvcc = shutil.which("nvcc")
 def _torch_cxx_std():
     """The C++ standard torch's extension builder passes to nvcc (C++17 up to torch 2.11, C++20 in 2.13)."""
     import re
+
     from torch.utils import cpp_extension
     with open(cpp_extension.__file__) as f:
         m = re.search(r"cpp_flag_prefix \+ 'c\+\+(\d+)'", f.read())
@@ -69,7 +70,8 @@ def test_binding_compiles_with_torchs_flags(tmp_path):
 
 def _make(dt_src, dt_dst, device, n=300):
     g = torch.Generator().manual_seed(0)
-    sizes = [1, 3, 7, 8, 4095, 4096, 4097, 1 << 14, 123457] + [int(x) for x in torch.randint(1, 3000, (n,), generator=g)]
+    sizes = [1, 3, 7, 8, 4095, 4096, 4097, 1 << 14, 123457]
+    sizes += [int(x) for x in torch.randint(1, 3000, (n,), generator=g)]
     srcs = [torch.randn(k, generator=g).mul_(1e3).to(dt_src).to(device) for k in sizes]
     dsts = [torch.zeros(k, dtype=dt_dst, device=device) for k in sizes]
     # misaligned views (offset by one element): the scalar path

@@ -43,7 +43,7 @@ def test_compile_error_skips_extension_with_warning(setup_py, tmp_path, capfd):
     assert "could not build the optional CUDA extension(s) hk_broken_ext" in err and "_foreach_copy_" in err
     assert cmd.extensions == [] and cmd.get_outputs() == []
     # the unwrapped torch class raises: the test exercises a real failure
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="Error compiling objects"):
         _build(cpp_extension.BuildExtension, Extension("hk_broken_ext2", [str(src)], language="c++"),
                tmp_path / "plain")
 

@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run
 from torch import nn
 
 import humanline_kernels as hk
-from _dist import run
 
 deepspeed = pytest.importorskip("deepspeed")
 

@@ -1,7 +1,8 @@
 """hk.token_logprobs and the ops.logprobs_{fwd,bwd} kernels against hk.reference (CPU: Triton interpreter)."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import humanline_kernels as hk
 from humanline_kernels import ops

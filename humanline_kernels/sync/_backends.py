@@ -12,8 +12,9 @@
   small params) when the policy holds it too; otherwise the reference's gathered copy is released.
 Buffers are copied in full in every backend. Pairs are early (local shards/partitions: copied from ``start()``,
 possibly on a side stream) or late (buffers, ZeRO-3 gathered data: copied in ``wait()`` on the current stream,
-because the policy forward between the two may update or free/reuse that memory). Pairs are checked once (names, shapes, placements, dtypes) and
-re-resolved at every sync, so a replaced ``_local_tensor``/``.data`` (``.to()``, ``load_state_dict``) is seen.
+because the policy forward between the two may update or free/reuse that memory). Pairs are checked once (names,
+shapes, placements, dtypes) and re-resolved at every sync, so a replaced ``_local_tensor``/``.data`` (``.to()``,
+``load_state_dict``) is seen.
 """
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from .._head import install_head
 from ..transformers import HumanlineSyncCallback, LookaheadTrainerMixin, _refuse
 from .config import reference_mode
 
-
 # The frozen reference adapter the trainers keep on a PEFT policy: TRL's own name for a PEFT reference adapter, so
 # TRL's reference forwards (GRPO's included) use it; an existing "ref" adapter (TRL's re-training convention: the
 # initial copy of the adapter) is the starting reference and is then synced.

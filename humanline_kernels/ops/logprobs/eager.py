@@ -1,7 +1,8 @@
 r"""Chunked eager log-prob forward/backward: the eager twin of :mod:`.kernel` (same signatures), the CPU path.
 
 Forward, per row with logits ``z`` and label ``y``: ``lse = logsumexp(z / T)``, ``logp = z_y / T - lse`` and
-optionally ``entropy = -sum(q log q)`` with ``q = softmax(z / T)``. Backward: ``dz = g * (onehot(y) - softmax(z / T)) / T``.
+optionally ``entropy = -sum(q log q)`` with ``q = softmax(z / T)``. Backward:
+``dz = g * (onehot(y) - softmax(z / T)) / T``.
 Rows are processed in chunks so no fp32 copy of the whole logits tensor is ever built (at most ``chunk_bytes``).
 
 Inputs are canonical 3-D views ``logits [B, T, V]`` (any batch/row strides, last stride 1), ``labels [B, T]``.

@@ -30,8 +30,17 @@ from torch import Tensor
 
 from .._jit import custom_op, jit, launcher
 from ..constants import MODE_GRPO
-from ..logprobs.kernel import (_row_base, _row_grad_store, _row_logp, _row_zero, _token, block_config, chunk_rows,
-                               device_guard, logits_rows)
+from ..logprobs.kernel import (
+    _row_base,
+    _row_grad_store,
+    _row_logp,
+    _row_zero,
+    _token,
+    block_config,
+    chunk_rows,
+    device_guard,
+    logits_rows,
+)
 
 
 @jit
