@@ -137,6 +137,7 @@ def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1):
     agree unless a masked token's log-ratio is exactly 0. Rewards in the metrics are ``s̄`` (HALOs' IPO rewards,
     without ``beta``).
     """
+    V.check_logps(logps, ref_logps, mask)
     V.check_dpo_rows(logps.shape[0])
     V.check_common(clip=clip)
     V.check_real("beta", beta, low=0.0, low_open=True)
@@ -152,8 +153,10 @@ def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25):
     ``s̄`` is the normalised sum of ``clamp(l, p, r)`` (the reference is 0, so humanline floors each token's
     log-prob at ``log_eps_p``, and a token below the floor gets no gradient). Follows HALOs ``SimPOTrainer.loss``
     (which normalises by the count of non-zero clamped log-probs, this function by the masked tokens). Rewards in
-    the metrics are ``s̄`` (HALOs' SimPO rewards, without ``beta``).
+    the metrics are ``s̄`` (HALOs' SimPO rewards, without ``beta``). The defaults are the package's; HALOs'
+    ``config/loss/simpo.yaml`` has ``beta: 10.0``, ``gamma_beta_ratio: 0.3``.
     """
+    V.check_logps(logps, logps, mask)
     V.check_dpo_rows(logps.shape[0])
     V.check_common(clip=clip, beta=beta)
     V.check_real("gamma_beta_ratio", gamma_beta_ratio)
@@ -172,6 +175,7 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
     calibration losses instead, which broadcasts only when ``T == P`` (or ``P == 1``) and then averages a token-level
     NLL. Rewards in the metrics are ``s`` (HALOs' SLiC rewards).
     """
+    V.check_logps(logps, logps, mask)
     V.check_dpo_rows(logps.shape[0])
     V.check_common(clip=clip, beta=beta)
     V.check_real("lambda_coef", lambda_coef)

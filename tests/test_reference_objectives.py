@@ -111,7 +111,8 @@ def halos_kto(logps, ref, mask, desirable, kl_logps, kl_ref, kl_mask, clip, beta
     rejected, _ = halos_sequence_rewards(policy[~desirable], reference[~desirable], clip)
     kl_rewards, _ = halos_sequence_rewards(kl_policy.detach(), kl_reference.detach(), clip)
     KL = (kl_rewards.sum() / (kl_rewards.abs() != 0).sum().clamp(min=1)).clamp(min=0)
-    losses = torch.cat((dw * (1 - torch.sigmoid(beta * (chosen - KL))), uw * (1 - torch.sigmoid(beta * (KL - rejected)))))
+    losses = torch.cat((dw * (1 - torch.sigmoid(beta * (chosen - KL))),
+                        uw * (1 - torch.sigmoid(beta * (KL - rejected)))))
     return losses.mean(), KL
 
 

@@ -327,75 +327,75 @@ def _grpo_inputs(B, T, seed, dtype, *, adv_dim):
                 advantages=advantages, tool_mask=tool_mask)
 
 
-def _trl_grpo(x, *, loss_type, importance_sampling_level="token", beta=0.0, epsilon_low=0.2, epsilon_high=0.28,
-              delta=None, use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-              vespo=None, importance_sampling_ratio=None, use_tool_mask=False, off_policy_mask_threshold=None,
-              use_sampling=False, top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False,
-              entropy_target=0.2, last_world_entropy=float("inf"), num_items_in_batch=None, max_completion_length=7,
-              gradient_accumulation_steps=1):
+# one GRPO case: TRL's settings, each read by both sides below ("vespo" holds the vespo_* values by name)
+GRPO_CASE = dict(importance_sampling_level="token", beta=0.0, epsilon_low=0.2, epsilon_high=0.28, delta=None,
+                 use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo={},
+                 importance_sampling_ratio=None, use_tool_mask=False, off_policy_mask_threshold=None,
+                 use_sampling=False, top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False,
+                 entropy_target=0.2, last_world_entropy=float("inf"), num_items_in_batch=None,
+                 max_completion_length=7, gradient_accumulation_steps=1)
+
+
+def _trl_grpo(x, **case):
+    c = SimpleNamespace(**{**GRPO_CASE, **case})
     B, T = x["lp"].shape
     lp = x["lp"].clone().requires_grad_()
     ent = x["entropies"].clone().requires_grad_()
-    vespo = vespo or {}
+    vespo = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, **c.vespo}
     args = SimpleNamespace(
-        delta=delta, use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo.get("vespo_k_pos", 2.0),
-        vespo_lambda_pos=vespo.get("vespo_lambda_pos", 3.0), vespo_k_neg=vespo.get("vespo_k_neg", 3.0),
-        vespo_lambda_neg=vespo.get("vespo_lambda_neg", 2.0), steps_per_generation=1, entropy_target=entropy_target,
-        entropy_coef_delta=0.005, entropy_coef_min=0.0, entropy_coef_max=1.0)
+        delta=c.delta, use_bias_correction_kl=c.use_bias_correction_kl, sapo_temperature_pos=c.sapo_temperature_pos,
+        sapo_temperature_neg=c.sapo_temperature_neg, steps_per_generation=1, entropy_target=c.entropy_target,
+        entropy_coef_delta=0.005, entropy_coef_min=0.0, entropy_coef_max=1.0, **vespo)
     trainer = _bare(
-        GRPOTrainer, model=torch.nn.Module(), args=args, loss_type=loss_type, beta=beta, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, importance_sampling_level=importance_sampling_level,
-        off_policy_mask_threshold=off_policy_mask_threshold, top_entropy_quantile=top_entropy_quantile,
-        entropy_coef=entropy_coef, use_adaptive_entropy=use_adaptive_entropy,
-        _entropy_bonus_enabled=entropy_coef != 0.0 or use_adaptive_entropy, _last_world_entropy=last_world_entropy,
-        _entropy_window_stats=None, use_vllm=importance_sampling_ratio is not None,
-        vllm_importance_sampling_correction=True, current_gradient_accumulation_steps=gradient_accumulation_steps,
-        max_completion_length=max_completion_length)
+        GRPOTrainer, model=torch.nn.Module(), args=args, loss_type=c.loss_type, beta=c.beta,
+        epsilon_low=c.epsilon_low, epsilon_high=c.epsilon_high, importance_sampling_level=c.importance_sampling_level,
+        off_policy_mask_threshold=c.off_policy_mask_threshold, top_entropy_quantile=c.top_entropy_quantile,
+        entropy_coef=c.entropy_coef, use_adaptive_entropy=c.use_adaptive_entropy,
+        _entropy_bonus_enabled=c.entropy_coef != 0.0 or c.use_adaptive_entropy,
+        _last_world_entropy=c.last_world_entropy, _entropy_window_stats=None,
+        use_vllm=c.importance_sampling_ratio is not None, vllm_importance_sampling_correction=True,
+        current_gradient_accumulation_steps=c.gradient_accumulation_steps,
+        max_completion_length=c.max_completion_length)
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (lp, ent, None)
-    mask = x["completion_mask"] * (x["tool_mask"] if use_tool_mask else 1)
+    mask = x["completion_mask"] * (x["tool_mask"] if c.use_tool_mask else 1)
     inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": x["completion_mask"],
               "advantages": x["advantages"], "old_per_token_logps": x["old"], "ref_per_token_logps": x["ref"],
-              "num_items_in_batch": mask.sum() if num_items_in_batch is None else num_items_in_batch}
-    if importance_sampling_ratio is not None:
-        inputs["importance_sampling_ratio"] = importance_sampling_ratio
-    if use_tool_mask:
+              "num_items_in_batch": mask.sum() if c.num_items_in_batch is None else c.num_items_in_batch}
+    if c.importance_sampling_ratio is not None:
+        inputs["importance_sampling_ratio"] = c.importance_sampling_ratio
+    if c.use_tool_mask:
         inputs["tool_mask"] = x["tool_mask"]
-    if use_sampling:
+    if c.use_sampling:
         inputs["sampling_per_token_logps"] = x["sampling"]
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     return loss, lp.grad, ent.grad, trainer
 
 
-def _ours_grpo(x, *, loss_type, importance_sampling_level="token", beta=0.0, epsilon_low=0.2, epsilon_high=0.28,
-               delta=None, use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-               vespo=None, importance_sampling_ratio=None, use_tool_mask=False, off_policy_mask_threshold=None,
-               use_sampling=False, top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False,
-               entropy_target=0.2, last_world_entropy=float("inf"), num_items_in_batch=None, max_completion_length=7,
-               gradient_accumulation_steps=1):
+def _ours_grpo(x, **case):
+    c = SimpleNamespace(**{**GRPO_CASE, **case})
     lp = x["lp"].clone().requires_grad_()
     ent = x["entropies"].clone().requires_grad_()
     mask = x["completion_mask"].bool()
-    tool_mask = x["tool_mask"] if use_tool_mask else None
-    needs_entropies = top_entropy_quantile < 1.0 or entropy_coef != 0.0 or use_adaptive_entropy
+    tool_mask = x["tool_mask"] if c.use_tool_mask else None
+    needs_entropies = c.top_entropy_quantile < 1.0 or c.entropy_coef != 0.0 or c.use_adaptive_entropy
     normalizer = None
-    if loss_type in ("dapo", "cispo", "vespo"):  # TRL's global token count; bnpo uses the local one
+    if c.loss_type in ("dapo", "cispo", "vespo"):  # TRL's global token count; bnpo uses the local one
         combined = mask if tool_mask is None else mask & tool_mask.bool()
-        normalizer = (combined.sum() if num_items_in_batch is None else num_items_in_batch).clamp(min=1)
+        normalizer = (combined.sum() if c.num_items_in_batch is None else c.num_items_in_batch).clamp(min=1)
     loss, metrics = hk.reference.grpo(
-        lp, x["old"], x["advantages"], mask, clip=None, beta=beta, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, kl_ref_logps=x["ref"], loss_type=loss_type, normalizer=normalizer,
-        max_completion_length=max_completion_length if loss_type == "dr_grpo" else None,
-        importance_sampling_level=importance_sampling_level, delta=delta,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, **(vespo or {}),
-        importance_sampling_ratio=importance_sampling_ratio, tool_mask=tool_mask,
-        off_policy_mask_threshold=off_policy_mask_threshold,
-        sampling_per_token_logps=x["sampling"] if use_sampling else None, top_entropy_quantile=top_entropy_quantile,
-        entropies=ent if needs_entropies else None, entropy_coef=entropy_coef,
-        use_adaptive_entropy=use_adaptive_entropy, entropy_target=entropy_target,
-        last_world_entropy=last_world_entropy, use_bias_correction_kl=use_bias_correction_kl)
+        lp, x["old"], x["advantages"], mask, clip=None, beta=c.beta, epsilon_low=c.epsilon_low,
+        epsilon_high=c.epsilon_high, kl_ref_logps=x["ref"], loss_type=c.loss_type, normalizer=normalizer,
+        max_completion_length=c.max_completion_length if c.loss_type == "dr_grpo" else None,
+        importance_sampling_level=c.importance_sampling_level, delta=c.delta,
+        sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg, **c.vespo,
+        importance_sampling_ratio=c.importance_sampling_ratio, tool_mask=tool_mask,
+        off_policy_mask_threshold=c.off_policy_mask_threshold,
+        sampling_per_token_logps=x["sampling"] if c.use_sampling else None,
+        top_entropy_quantile=c.top_entropy_quantile, entropies=ent if needs_entropies else None,
+        entropy_coef=c.entropy_coef, use_adaptive_entropy=c.use_adaptive_entropy, entropy_target=c.entropy_target,
+        last_world_entropy=c.last_world_entropy, use_bias_correction_kl=c.use_bias_correction_kl)
     loss.backward()
     return loss, lp.grad, ent.grad, metrics
 
