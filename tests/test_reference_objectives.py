@@ -683,3 +683,30 @@ def test_bad_inputs_raise_value_error_naming_the_argument(case):
     name, fn = _bad_cases()[case]
     with pytest.raises(ValueError, match=name):
         fn()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KTO's two KL estimates across ranks (gloo, world size 2, spawned processes)
+
+
+def _kl_estimate_worker(rank, world, out):
+    # rank 0: KL row sums 0.6 and 0 (an empty row); rank 1: 0.9
+    kl = torch.tensor([[0.4, 0.2], [0.0, 0.0]] if rank == 0 else [[0.5, 0.4]], dtype=torch.float64)
+    args = (torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64),
+            torch.ones(1, 2, dtype=torch.bool), torch.tensor([True]), kl, torch.zeros_like(kl),
+            torch.ones_like(kl, dtype=torch.bool))
+    out[rank] = [R.kto(*args, clip=None, kl_estimate=e)[1]["kl"].item() for e in ("halos", "trl")]
+
+
+def test_kto_kl_estimates_across_ranks():
+    import torch.multiprocessing as mp
+    from _dist import run
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        run(_kl_estimate_worker, out)
+        out = dict(out)
+    for rank in (0, 1):
+        halos, trl = out[rank]
+        assert halos == pytest.approx((0.6 + 0.9) / 2)  # all-reduced sum over the non-empty rows' count
+        assert trl == pytest.approx((0.3 + 0.9) / 2)  # TRL: the mean of the ranks' means, empty rows included
