@@ -12,7 +12,7 @@ import math
 import torch
 
 from ._clip import HumanlineClip
-from .ops.constants import GRPO_LOSS_TYPES
+from .ops.constants import GRPO_AGGREGATION, GRPO_LOSS_TYPES
 
 LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LOGP_DTYPES = (torch.float32, torch.float64)
@@ -72,14 +72,19 @@ def _check_loss(p):
 
 
 # ------------------------------------------------------------------ one set of checks per loss, every level
-def check_dpo(p, B):
-    """DPO's options and rows (``2P``: chosen rows first, then their rejected partners)."""
-    _check_loss(p)
-    check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
+def check_dpo_rows(B):
+    """``2P`` rows: chosen rows first, then their rejected partners."""
     if B == 0 or B % 2:
         raise ValueError(
             f"DPO expects an even, non-zero number of rows (chosen rows 0..P-1, rejected rows P..2P-1), got {B}"
         )
+
+
+def check_dpo(p, B):
+    """DPO's options and rows."""
+    _check_loss(p)
+    check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
+    check_dpo_rows(B)
 
 
 def check_kto(p, B, device, inp):
@@ -113,17 +118,14 @@ def check_grpo(p, shape, like, inp):
         check_tensor("kl_ref_logps", inp.kl_ref_logps, shape=shape, dtypes=(like.dtype,), device=like.device)
     check_real("epsilon_low", p.epsilon_low, low=0.0, high=1.0)
     check_real("epsilon_high", p.epsilon_high, low=0.0)
-    if p.loss_type not in GRPO_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {p.loss_type!r}")
-    norm = inp.normalizer
+    if p.loss_type not in GRPO_AGGREGATION:
+        raise ValueError(f"loss_type must be one of {tuple(GRPO_AGGREGATION)}, got {p.loss_type!r}"
+                         + (" (the kernels aggregate these; every TRL loss type runs from per-token log-probs, "
+                            "hk.losses.grpo)" if p.loss_type in GRPO_LOSS_TYPES else ""))
+    norm = inp.normalizer if inp.normalizer is not None else p.normalizer
     if norm is not None:
-        if norm.numel() != 1:
-            raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape {_shape(norm)}")
-        if norm.device != like.device:
-            raise ValueError(f"normalizer must be on device {like.device}, got {norm.device}")
-    elif p.normalizer is not None:
-        check_real("normalizer", p.normalizer, low=0.0, low_open=True)
-    if (norm is not None or p.normalizer is not None) and p.loss_type not in ("dapo", "bnpo"):
+        _check_normalizer(norm, like.device)
+    if norm is not None and p.loss_type not in ("dapo", "bnpo"):
         raise ValueError(f"normalizer applies to loss_type 'dapo' or 'bnpo' only, got loss_type={p.loss_type!r}")
     m = p.max_completion_length
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m <= 0):
@@ -211,3 +213,179 @@ def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, v
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {_shape(hidden)}")
     check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+
+
+# ------------------------------------------------------------------ TRL 1.16's loss options (hk.reference, hk.losses)
+
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# the loss types built on the chosen-minus-rejected score, the only ones with an f-divergence form (TRL 1.16)
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+KTO_KL_ESTIMATES = ("halos", "trl")
+GRPO_PPO_CLIP_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+GRPO_NORMALIZER_TYPES = ("dapo", "bnpo", "cispo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def check_flag(name, v):
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {v!r}")
+
+
+def check_optional_logps(name, t, logps):
+    """An optional per-token input shaped and typed like ``logps`` (None passes)."""
+    if t is not None:
+        check_tensor(name, t, shape=logps.shape, dtypes=(logps.dtype,), device=logps.device)
+
+
+def check_dpo_options(logps, *, clip, beta, label_smoothing, loss_type, loss_weights, rpo_alpha, f_divergence_type,
+                      f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, log_sum_sq_probs):
+    """TRL 1.16 DPO options; returns the ``(loss_types, loss_weights)`` lists the loss sums over (``rpo_alpha`` is
+    TRL's ``"sft"`` term with that weight)."""
+    check_real("label_smoothing", label_smoothing, low=0.0, high=0.5)
+    types = [loss_type] if isinstance(loss_type, str) else loss_type
+    if not isinstance(types, (list, tuple)) or not types or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"loss_type must be a name or a non-empty list of names, got {loss_type!r}")
+    for t in types:
+        if t not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be in {DPO_LOSS_TYPES}, got {t!r}")
+    if loss_weights is None:
+        weights = [1.0] * len(types)
+    else:
+        if not isinstance(loss_weights, (list, tuple)) or len(loss_weights) != len(types):
+            raise ValueError(f"loss_weights must be a list with one weight per loss_type ({len(types)}), "
+                             f"got {loss_weights!r}")
+        for w in loss_weights:
+            check_real("loss_weights", w)
+        weights = list(loss_weights)
+    types = list(types)
+    if rpo_alpha is not None:
+        check_real("rpo_alpha", rpo_alpha, low=0.0)
+        types, weights = types + ["sft"], weights + [rpo_alpha]
+    if clip is not None and "aot" in types:
+        raise ValueError("loss_type 'aot' has no humanline form: it sorts the policy's and the reference's "
+                         "chosen-minus-rejected sums separately, so no per-token log-ratio exists to clamp; "
+                         "pass clip=None")
+    if beta == 0 and any(t in ("ipo", "sppo_hard") for t in types):
+        raise ValueError("beta must be > 0 for loss_type 'ipo' and 'sppo_hard' (they divide by beta)")
+    if "exo_pair" in types and label_smoothing == 0:
+        raise ValueError("label_smoothing must be > 0 for loss_type 'exo_pair' (it takes log(label_smoothing))")
+    if "robust" in types and label_smoothing >= 0.5:
+        raise ValueError("label_smoothing must be < 0.5 for loss_type 'robust' (it divides by 1 - 2 label_smoothing)")
+    if f_divergence_type not in F_DIVERGENCE_TYPES:
+        raise ValueError(f"f_divergence_type must be in {F_DIVERGENCE_TYPES}, got {f_divergence_type!r}")
+    bad = [t for t in types if t not in F_DIVERGENCE_LOSS_TYPES]
+    if f_divergence_type != "reverse_kl" and bad:
+        raise ValueError(f"f_divergence_type={f_divergence_type!r} applies to loss types {F_DIVERGENCE_LOSS_TYPES} "
+                         f"only (the others have no f-divergence form), got {bad}")
+    check_real("f_alpha_divergence_coef", f_alpha_divergence_coef)
+    if ld_alpha is not None:
+        check_real("ld_alpha", ld_alpha, low=0.0, high=1.0)
+    check_real("discopop_tau", discopop_tau, low=0.0, low_open=True)
+    check_flag("use_weighting", use_weighting)
+    if use_weighting:
+        if log_sum_sq_probs is None:
+            raise ValueError("use_weighting=True needs log_sum_sq_probs (per-token log sum_v p_v^2, TRL's WPO input)")
+        if any(t in ("aot", "aot_unpaired") for t in types):
+            raise ValueError("use_weighting does not apply to loss_type 'aot'/'aot_unpaired': they sort the pairs, "
+                             "which would misalign the per-pair weights")
+    elif log_sum_sq_probs is not None:
+        raise ValueError("log_sum_sq_probs is read only with use_weighting=True")
+    check_optional_logps("log_sum_sq_probs", log_sum_sq_probs, logps)
+    return types, weights
+
+
+def check_kto_options(*, loss_type, kl_estimate, has_kl_rows):
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be in {KTO_LOSS_TYPES}, got {loss_type!r}")
+    if kl_estimate not in KTO_KL_ESTIMATES:
+        raise ValueError(f"kl_estimate must be in {KTO_KL_ESTIMATES}, got {kl_estimate!r}")
+    if loss_type == "apo_zero_unpaired" and has_kl_rows:
+        raise ValueError("loss_type 'apo_zero_unpaired' has no KL baseline: pass no kl_logps/kl_ref_logps/kl_mask")
+
+
+def _check_normalizer(normalizer, device):
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape {_shape(normalizer)}")
+        if normalizer.device != device:
+            raise ValueError(f"normalizer must be on device {device}, got {normalizer.device}")
+    else:
+        check_real("normalizer", normalizer, low=0.0, low_open=True)
+
+
+def check_grpo_options(logps, advantages, *, clip, epsilon_low, epsilon_high, loss_type, normalizer,
+                       max_completion_length, importance_sampling_level, delta, sapo_temperature_pos,
+                       sapo_temperature_neg, vespo, importance_sampling_ratio, tool_mask, off_policy_mask_threshold,
+                       sampling_per_token_logps, top_entropy_quantile, entropies, entropy_coef,
+                       use_adaptive_entropy, entropy_target, last_world_entropy, use_bias_correction_kl):
+    """TRL 1.16 GRPO options (``vespo``: its four k/lambda values by name)."""
+    B, T = logps.shape
+    dev = logps.device
+    check_tensor("advantages", advantages, device=dev)
+    if tuple(advantages.shape) not in ((B,), (B, T)) or not advantages.is_floating_point():
+        raise ValueError(f"advantages must be a floating-point tensor of shape [{B}] or [{B}, {T}], got "
+                         f"{_shape(advantages)} {advantages.dtype}")
+    check_real("epsilon_low", epsilon_low, low=0.0, high=1.0)
+    check_real("epsilon_high", epsilon_high, low=0.0)
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    if normalizer is not None:
+        _check_normalizer(normalizer, dev)
+        if loss_type not in GRPO_NORMALIZER_TYPES:
+            raise ValueError(f"normalizer applies to loss_type in {GRPO_NORMALIZER_TYPES} only (the others fix "
+                             f"their own denominator), got loss_type={loss_type!r}")
+    if max_completion_length is not None and (isinstance(max_completion_length, bool)
+                                              or not isinstance(max_completion_length, int)
+                                              or max_completion_length <= 0):
+        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be in {IMPORTANCE_SAMPLING_LEVELS}, "
+                         f"got {importance_sampling_level!r}")
+    if delta is not None:
+        check_real("delta", delta, low=0.0, low_open=True)
+        if loss_type not in GRPO_PPO_CLIP_TYPES:
+            raise ValueError(f"delta (two-sided clipping) applies to loss_type in {GRPO_PPO_CLIP_TYPES} only, "
+                             f"got loss_type={loss_type!r}")
+    check_real("sapo_temperature_pos", sapo_temperature_pos, low=0.0, low_open=True)
+    check_real("sapo_temperature_neg", sapo_temperature_neg, low=0.0, low_open=True)
+    for name, v in vespo.items():
+        check_real(name, v, low=0.0)
+    if importance_sampling_ratio is not None:
+        check_tensor("importance_sampling_ratio", importance_sampling_ratio, dtypes=LOGP_DTYPES, device=dev)
+        if tuple(importance_sampling_ratio.shape) not in ((B,), (B, 1), (B, T)):
+            raise ValueError(f"importance_sampling_ratio must have shape [{B}], [{B}, 1] or [{B}, {T}], "
+                             f"got {_shape(importance_sampling_ratio)}")
+        if loss_type == "vespo" and tuple(importance_sampling_ratio.shape) != (B, T):
+            raise ValueError("loss_type 'vespo' folds a per-token importance_sampling_ratio [B, T] into its "
+                             "sequence weight (TRL's token_* vLLM modes); a per-sequence ratio has no place in it")
+    if tool_mask is not None:
+        check_tensor("tool_mask", tool_mask, shape=logps.shape, device=dev)
+        if tool_mask.is_floating_point() or tool_mask.is_complex():
+            raise ValueError(f"tool_mask must be a bool or integer (0/1) tensor, got {tool_mask.dtype}")
+    if off_policy_mask_threshold is not None:
+        check_real("off_policy_mask_threshold", off_policy_mask_threshold)
+        if clip is not None and sampling_per_token_logps is None:
+            raise ValueError("off_policy_mask_threshold with humanline (clip set) needs sampling_per_token_logps: "
+                             "the ratio's denominator is then the synced reference, not the policy that sampled")
+    elif sampling_per_token_logps is not None:
+        raise ValueError("sampling_per_token_logps is read only by the off-policy mask: pass "
+                         "off_policy_mask_threshold too")
+    check_optional_logps("sampling_per_token_logps", sampling_per_token_logps, logps)
+    check_real("top_entropy_quantile", top_entropy_quantile, low=0.0, high=1.0)
+    check_real("entropy_coef", entropy_coef)
+    check_flag("use_adaptive_entropy", use_adaptive_entropy)
+    check_real("entropy_target", entropy_target)
+    if isinstance(last_world_entropy, bool) or not isinstance(last_world_entropy, (int, float)) \
+            or math.isnan(last_world_entropy):
+        raise ValueError(f"last_world_entropy must be a real number (inf before the first measurement), "
+                         f"got {last_world_entropy!r}")
+    needs_entropy = top_entropy_quantile < 1.0 or entropy_coef != 0.0 or use_adaptive_entropy
+    if needs_entropy and entropies is None:
+        raise ValueError("entropies [B, T] is needed with top_entropy_quantile < 1, entropy_coef != 0 or "
+                         "use_adaptive_entropy")
+    check_optional_logps("entropies", entropies, logps)
+    check_flag("use_bias_correction_kl", use_bias_correction_kl)

@@ -5,8 +5,10 @@ from __future__ import annotations
 # primitive) or GRPO's per-token term
 MODE_RATIO, MODE_GRPO = 1, 2
 
-GRPO_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
-# how the GRPO finalize kernel aggregates: over tokens (dapo, bnpo), mean of row means (grpo), fixed (dr_grpo)
+# TRL 1.16's GRPO loss types, every one at the log-prob level (hk.reference, hk.losses)
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# the ones the kernels aggregate (the logits and hidden-state levels), and how the GRPO finalize kernel does: over
+# tokens (dapo, bnpo), the mean of the row means (grpo), over a fixed count (dr_grpo)
 AGG_TOKENS, AGG_ROWS, AGG_FIXED = 0, 1, 2
 GRPO_AGGREGATION = {"dapo": AGG_TOKENS, "bnpo": AGG_TOKENS, "grpo": AGG_ROWS, "dr_grpo": AGG_FIXED}
 
