@@ -71,7 +71,9 @@ def test_registered_trainer_modes_use_the_humanline_worker(mode):
     cls = get_trainer_cls(f"humanline_{mode}")
     assert issubclass(cls, get_trainer_cls(mode))  # verl's own trainer for the rest of the step
     trainer = object.__new__(cls)  # only the worker mapping: no dataloader, Ray or TransferQueue
-    trainer.config = config()
+    trainer.config = config(**{"trainer.v1.trainer_mode": f"humanline_{mode}"})
+    trainer.trainer_mode = trainer.config.trainer.v1.trainer_mode  # what verl's __init__ does
+    assert trainer.trainer_mode == mode  # verl's `trainer_mode == "sync"` branches see the base mode
     trainer._init_resource_pool_mgr()
     worker = trainer.role_worker_mapping[Role.ActorRolloutRef]
     assert worker.__ray_actor_class__ is HumanlineActorRolloutRefWorker

@@ -35,7 +35,21 @@ def check_trainer_config(config) -> None:
 
 
 class _HumanlineWorkers:
-    """Mixin: verl's worker mapping with the humanline worker in place of ``ActorRolloutRefWorker``."""
+    """Mixin: verl's worker mapping with the humanline worker in place of ``ActorRolloutRefWorker``.
+
+    verl's trainer also branches on ``self.trainer_mode == "sync"`` (its replay buffer, refills, checkpoints), set
+    from ``trainer.v1.trainer_mode``: here it reads as the mode this trainer is a humanline variant of.
+    """
+
+    base_mode: str = ""
+
+    @property
+    def trainer_mode(self) -> str:
+        return self.base_mode
+
+    @trainer_mode.setter
+    def trainer_mode(self, name) -> None:
+        pass  # verl assigns "humanline_<mode>" from the config; every branch must see "<mode>"
 
     def _init_resource_pool_mgr(self):
         check_trainer_config(self.config)
@@ -49,7 +63,11 @@ class _HumanlineWorkers:
 class HumanlinePPOTrainerSync(_HumanlineWorkers, PPOTrainerSync):
     """verl's ``sync`` trainer with the humanline reference."""
 
+    base_mode = "sync"
+
 
 @register_trainer("humanline_colocate_async")
 class HumanlinePPOTrainerColocateAsync(_HumanlineWorkers, PPOTrainerColocateAsync):
     """verl's ``colocate_async`` trainer with the humanline reference."""
+
+    base_mode = "colocate_async"
