@@ -84,6 +84,9 @@ def scenario(actor, ref, every, steps):
         assert not all(torch.equal(r, a) for r, a in zip(shards(ref.engine.module), shards(actor.engine.module)))
     assert hl.step == steps * EPOCHS
     assert hl.syncs == len(range(0, steps * EPOCHS, every))
+    hl.sync_now()  # what the worker does after load_checkpoint: the reference restarts from the actor
+    assert all(torch.equal(r, a) for r, a in zip(shards(ref.engine.module), shards(actor.engine.module)))
+    assert hl.step == steps * EPOCHS
     return hl.recomputed, hl.from_old
 
 

@@ -122,6 +122,13 @@ class HumanlineActorRolloutRefWorker(ActorRolloutRefWorker):
                                                       sync=settings.reference == "sync")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sync_reference(self):
+        """Copy the actor into the reference now, on every rank, outside the every-k schedule (a custom trainer's
+        override; the schedule itself runs inside ``update_actor``)."""
+        if self.actor is not None and self.actor.humanline is not None:
+            self.actor.humanline.sync_now()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
         super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
         # verl does not checkpoint the reference (it reloads the initial model): restart it from the resumed actor
