@@ -94,38 +94,55 @@ def training_worker(path, forward_only, cls=None, micro=2, strategy="fsdp2"):
     return worker
 
 
-def rollout_batch(seed, batch_size):
-    """A verl batch as the legacy trainer hands it to the workers (``left_right_2_no_padding`` of the padded one)."""
+def rollout_batch(seed, batch_size, layout="legacy"):
+    """A verl batch as its trainers hand it to the workers: ``"legacy"``, ``left_right_2_no_padding`` of the padded
+    batch (``trainer.use_v1=False``); ``"v1"``, every per-sample field jagged, as the v1 agent loop stores it."""
     from tensordict import TensorDict
     from verl.workers.utils.padding import left_right_2_no_padding
 
     g = torch.Generator().manual_seed(seed)
-    prompt_len = torch.randint(2, PROMPT + 1, (batch_size,), generator=g)
-    resp_len = torch.randint(2, RESPONSE + 1, (batch_size,), generator=g)
-    prompts = torch.zeros(batch_size, PROMPT, dtype=torch.long)
-    responses = torch.zeros(batch_size, RESPONSE, dtype=torch.long)
+    prompt_len = torch.randint(2, PROMPT + 1, (batch_size,), generator=g).tolist()
+    resp_len = torch.randint(2, RESPONSE + 1, (batch_size,), generator=g).tolist()
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in prompt_len]
+    responses = [torch.randint(3, VOCAB, (n,), generator=g) for n in resp_len]
+    if layout == "v1":
+        jagged = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+        ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+        mask = jagged([torch.ones(n, dtype=torch.long) for n in resp_len])
+        return TensorDict({"prompts": jagged(prompts), "responses": jagged(responses), "input_ids": jagged(ids),
+                           "position_ids": jagged([torch.arange(len(x)) for x in ids]), "response_mask": mask,
+                           "loss_mask": mask}, batch_size=[batch_size])
+    padded_prompts = torch.zeros(batch_size, PROMPT, dtype=torch.long)
+    padded_responses = torch.zeros(batch_size, RESPONSE, dtype=torch.long)
     attn = torch.zeros(batch_size, PROMPT + RESPONSE, dtype=torch.long)
-    for i in range(batch_size):
-        prompts[i, PROMPT - prompt_len[i]:] = torch.randint(3, VOCAB, (int(prompt_len[i]),), generator=g)
-        responses[i, :resp_len[i]] = torch.randint(3, VOCAB, (int(resp_len[i]),), generator=g)
-        attn[i, PROMPT - prompt_len[i]:PROMPT + resp_len[i]] = 1
-    response_mask = attn[:, PROMPT:].clone()
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    td = TensorDict({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], -1),
-                     "attention_mask": attn, "response_mask": response_mask, "position_ids": position_ids},
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        padded_prompts[i, PROMPT - len(p):] = p
+        padded_responses[i, :len(r)] = r
+        attn[i, PROMPT - len(p):PROMPT + len(r)] = 1
+    td = TensorDict({"prompts": padded_prompts, "responses": padded_responses,
+                     "input_ids": torch.cat([padded_prompts, padded_responses], -1), "attention_mask": attn,
+                     "response_mask": attn[:, PROMPT:].clone(), "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)},
                     batch_size=[batch_size])
     return left_right_2_no_padding(td)
 
 
 def log_probs(worker, td):
-    """What the legacy trainer's ``_compute_old_log_prob`` / ``_compute_ref_log_prob`` put into the batch."""
+    """What verl's trainers put into the batch as ``old_log_probs`` / ``ref_log_prob``, in the batch's layout."""
     from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
+    from verl.workers.utils.padding import no_padding_2_padding, response_from_nested
 
     work = td.copy()
     tu.assign_non_tensor(work, calculate_entropy=False, compute_loss=False, temperature=1.0)
-    out = worker.infer_batch(work)
-    return no_padding_2_padding(tu.get(out, "log_probs"), td).float()
+    out = tu.get(worker.infer_batch(work), "log_probs")
+    if td["response_mask"].is_nested:
+        return response_from_nested(out, td["response_mask"]).float()
+    return no_padding_2_padding(out, td).float()
+
+
+def like(td, values):
+    """``values`` (one per response token, as a ``[B, R]`` tensor) in the layout of ``td['response_mask']``."""
+    from verl.workers.utils.padding import response_to_nested
+    return response_to_nested(values, td["response_mask"]) if td["response_mask"].is_nested else values
 
 
 def env_rank():

@@ -31,12 +31,12 @@ def shards(module):
     return [p._local_tensor.detach().cpu().clone() for p in module.parameters()]
 
 
-def scenario(actor, ref, every, steps):
+def scenario(actor, ref, every, steps, layout):
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import ActorConfig
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from _verl_cpu import log_probs, rollout_batch
+    from _verl_cpu import RESPONSE, like, log_probs, rollout_batch
     from humanline_kernels.integrations.verl import HumanlinePolicyLossConfig, HumanlineReference, humanline_ppo_loss
 
     cfg = ActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=LOCAL_BATCH, use_kl_loss=True,
@@ -44,8 +44,9 @@ def scenario(actor, ref, every, steps):
     seen = []  # per optimizer step: (the actor's log-probs, the reference log-probs the loss got)
 
     def loss_fn(model_output, data, dp_group=None):
+        padded = data.select("ref_log_prob", "response_mask").to_padded_tensor()
         lp = no_padding_2_padding(model_output["log_probs"], data).detach().float()
-        seen.append((lp, data.select("ref_log_prob").to_padded_tensor()["ref_log_prob"].clone()))
+        seen.append((lp * padded["response_mask"], padded["ref_log_prob"].clone()))
         return humanline_ppo_loss(cfg, model_output, data, dp_group)
 
     actor.set_loss_fn(loss_fn)
@@ -61,10 +62,10 @@ def scenario(actor, ref, every, steps):
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
     for s in range(steps):
-        td = rollout_batch(seed=100 * s + rank, batch_size=LOCAL_BATCH)
+        td = rollout_batch(seed=100 * s + rank, batch_size=LOCAL_BATCH, layout=layout)
         td["old_log_probs"] = log_probs(actor, td)
         td["ref_log_prob"] = log_probs(ref, td)  # verl's reference forward, once per verl step
-        td["advantages"] = torch.randn(td["old_log_probs"].shape, generator=torch.Generator().manual_seed(s))
+        td["advantages"] = like(td, torch.randn(LOCAL_BATCH, RESPONSE, generator=torch.Generator().manual_seed(s)))
         tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=world * LOCAL_BATCH,
                              mini_batch_size=world * LOCAL_BATCH, epochs=EPOCHS, seed=0,
                              dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0)
@@ -90,7 +91,7 @@ def scenario(actor, ref, every, steps):
     return hl.recomputed, hl.from_old
 
 
-def all_periods(path, strategy="fsdp2"):
+def all_periods(path, strategy="fsdp2", layout="v1"):
     from _verl_cpu import training_worker
     from humanline_kernels.integrations.verl import HumanlineTrainingWorker
 
@@ -99,20 +100,22 @@ def all_periods(path, strategy="fsdp2"):
     for every, want in [(1, (2, 2)), (2, (1, 2)), (3, (0, 4))]:
         actor = training_worker(path, forward_only=False, cls=HumanlineTrainingWorker, strategy=strategy)
         ref = training_worker(path, forward_only=True, strategy=strategy)
-        got = scenario(actor, ref, every=every, steps=2)
+        got = scenario(actor, ref, every=every, steps=2, layout=layout)
         assert got == want, (every, got)
 
 
-def worker(rank, world, path):
+def worker(rank, world, path, layout):
     from _verl_cpu import install_cpu_platform
     install_cpu_platform()
-    all_periods(path)
+    all_periods(path, layout=layout)
 
 
-def test_reference_lags_by_one_sync_inside_verls_actor_update(tmp_path):
+@pytest.mark.parametrize("layout", ["v1", "legacy"])
+def test_reference_lags_by_one_sync_inside_verls_actor_update(tmp_path, layout):
+    """``v1``: the batch layout of verl's v1 trainer (jagged responses); ``legacy``: ``trainer.use_v1=False``'s."""
     from _verl_cpu import save_tiny_llama
     save_tiny_llama(str(tmp_path))
-    run(worker, str(tmp_path))
+    run(worker, str(tmp_path), layout)
 
 
 @pytest.mark.gpu
