@@ -1,9 +1,14 @@
-"""Grouped multi-tensor copy: one launch per (device, source dtype, target dtype) group.
+"""Grouped multi-tensor copy: one launch per (target device, source device, source dtype, target dtype) group.
 
 On CUDA the csrc/ kernel (16-byte vector accesses, hundreds of tensors per launch, casts fused) is used when it
 is built (``setup.py``) or can be JIT-built from a source checkout; otherwise ``torch._foreach_copy_``, whose
 fast path is also a single multi-tensor kernel per group when all sources share one dtype (which grouping
 guarantees). Set ``HUMANLINE_SYNC_KERNEL=0`` to never use or build the extension.
+
+A group is issued on the stream of its *stream device*: the target's device, or the source's when the target
+is on the CPU and the source on CUDA (a CPU-offloaded reference, as verl's and FSDP's ``CPUOffload`` keep it). Such
+a device-to-host copy is then ordered on that CUDA device's streams like any other, and it is issued with
+``non_blocking=True`` when every target is pinned, so it runs asynchronously (copy and cast).
 """
 from __future__ import annotations
 
@@ -64,17 +69,26 @@ class CopyPlan:
         self.groups = groups
         self.use_kernel = use_kernel
 
+    @staticmethod
+    def stream_device(key):
+        """The device whose stream issues a group: the target's, or the CUDA source's for a CPU target."""
+        dd, sd = key[0], key[1]
+        return sd if dd.type == "cpu" and sd.type == "cuda" else dd
+
     def devices(self):
-        return list(dict.fromkeys(k[0] for k in self.groups))
+        return list(dict.fromkeys(self.stream_device(k) for k in self.groups))
 
     def run(self, device) -> None:
-        """Launch every group whose targets live on ``device`` on the current stream."""
-        for (dd, sd, st, dt), (d, s) in self.groups.items():
-            if dd != device:
+        """Launch every group whose stream device is ``device`` on that device's current stream."""
+        for key, (d, s) in self.groups.items():
+            if self.stream_device(key) != device:
                 continue
+            dd, sd, st, dt = key
             if self._kernel_ok(dd, sd, st, dt, d, s):
                 with torch.cuda.device(dd):
                     _ext.multi_tensor_copy(d, s, torch.cuda.current_stream(dd).cuda_stream)
+            elif dd != sd:  # device to pinned host memory: asynchronous on the current (side) stream of ``sd``
+                torch._foreach_copy_(d, s, non_blocking=all(t.is_pinned() for t in d))
             else:
                 torch._foreach_copy_(d, s)
 

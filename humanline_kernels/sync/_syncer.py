@@ -30,7 +30,11 @@ class ReferenceSyncer:
     """Humanline sync of ``reference`` from ``policy`` (plain module, DDP, FSDP1, FSDP2, DeepSpeed ZeRO-1/2/3).
 
     Both models must be wrapped identically (same sharding, grouping/auto-wrap, mesh); the reference may keep a
-    lower-precision copy of floating parameters (e.g. bf16 reference, fp32 policy): the copy casts.
+    lower-precision copy of floating parameters (e.g. bf16 reference, fp32 policy): the copy casts. Its shards may
+    live on the CPU while the policy's are on CUDA (FSDP1 ``CPUOffload``, FSDP2 ``CPUOffloadPolicy``, verl's
+    reference): the device-to-host copy runs on the policy device's side stream, asynchronously into pinned
+    memory, and the reference's own forward (whose host-to-device copies FSDP orders after the current stream) sees
+    it; a host read of those CPU shards must synchronize the CUDA stream first.
 
     Per optimizer step: reference forward(s) -> ``start()`` -> policy forward/backward -> ``wait()`` ->
     ``optimizer.step()``. ``sync()`` is ``start()`` + ``wait()``.
