@@ -31,8 +31,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from . import _objectives as O
 from . import _validation as V
 from ._clip import DEFAULT_CLIP, HumanlineClip
 from ._params import KTO, KTOInputs, Tokens
@@ -82,17 +82,6 @@ def _clipped_log_ratio(logps, ref_logps, mask, clip):
     return clipped, _masked_ratio(n_inside, n)
 
 
-def _pair_metrics(rewards_chosen, rewards_rejected):
-    """Means of the per-pair rewards (detached): chosen, rejected, margin and how often chosen wins."""
-    rc, rr = rewards_chosen.detach(), rewards_rejected.detach()
-    return {
-        "rewards_chosen": rc.mean(),
-        "rewards_rejected": rr.mean(),
-        "reward_margin": (rc - rr).mean(),
-        "reward_accuracy": (rc > rr).to(rc.dtype).mean(),
-    }
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The sequence-level primitive and the objectives built on it (HALOs' IPO, SimPO, SLiC)
 
@@ -121,11 +110,6 @@ def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False):
     return s, policy_sums, metrics
 
 
-def _pairs(s):
-    P = s.shape[0] // 2
-    return s[:P], s[P:]
-
-
 def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1):
     r"""IPO on ``2P`` rows: ``mean_j (s̄_j - s̄_{P+j} - 1 / (2 beta))^2`` with ``s̄`` the normalised clamped sums.
 
@@ -140,9 +124,8 @@ def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1):
     V.check_clip(clip)
     V.check_real("beta", beta, low=0.0, low_open=True)
     s, _, m = sequence_logratios(logps, ref_logps, mask, clip=clip, normalize=True)
-    chosen, rejected = _pairs(s)
-    loss = ((chosen - rejected - 1.0 / (2.0 * beta)) ** 2).mean()
-    return loss, {"unclipped_frac": m["unclipped_frac"], **_pair_metrics(chosen, rejected)}
+    loss, metrics = O.ipo_from_sums(s, beta=beta)
+    return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
 
 
 def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25):
@@ -160,9 +143,8 @@ def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25):
     V.check_real("beta", beta, low=0.0)
     V.check_real("gamma_beta_ratio", gamma_beta_ratio)
     s, _, m = sequence_logratios(logps, None, mask, clip=clip, normalize=True)
-    chosen, rejected = _pairs(s)
-    loss = -F.logsigmoid(beta * (chosen - rejected - gamma_beta_ratio)).mean()
-    return loss, {"unclipped_frac": m["unclipped_frac"], **_pair_metrics(chosen, rejected)}
+    loss, metrics = O.simpo_from_sums(s, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
+    return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
 
 
 def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
@@ -180,10 +162,8 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
     V.check_real("beta", beta, low=0.0)
     V.check_real("lambda_coef", lambda_coef)
     s, policy_sums, m = sequence_logratios(logps, None, mask, clip=clip)
-    chosen, rejected = _pairs(s)
-    nll_chosen = -_pairs(policy_sums)[0]
-    loss = (torch.relu(beta - chosen + rejected) + lambda_coef * nll_chosen).mean()
-    return loss, {"unclipped_frac": m["unclipped_frac"], **_pair_metrics(chosen, rejected)}
+    loss, metrics = O.slic_from_sums(s, policy_sums, beta=beta, lambda_coef=lambda_coef)
+    return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -191,78 +171,9 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
 
 
 def _ld_sum(x, mask, ld_alpha):
-    """Per-row sum of ``x`` over masked tokens; with ``ld_alpha`` (LD-DPO, TRL 1.16 ``DPOTrainer._compute_loss``)
-    the tokens past the shorter completion of each pair count ``ld_alpha`` times: a pair's shared length is the
-    smaller of its two token counts, and a token is shared while its position among the row's masked tokens is at
-    most that length."""
+    """Per-row sum of ``x`` over masked tokens, LD-DPO's tails weighted (:func:`_objectives.ld_weights`)."""
     x = torch.where(mask, x, 0.0)
-    if ld_alpha is None:
-        return x.sum(dim=1)
-    position = mask.cumsum(dim=1)
-    count = mask.sum(dim=1)
-    chosen_count, rejected_count = _pairs(count)
-    shared = torch.minimum(chosen_count, rejected_count).repeat(2)
-    in_shared = position <= shared.unsqueeze(1)
-    return torch.where(in_shared, x, 0.0).sum(dim=1) + ld_alpha * torch.where(in_shared, 0.0, x).sum(dim=1)
-
-
-def _f_divergence_score(logratio, f_divergence_type, alpha):
-    """f'(exp(logratio)) of the f-DPO paper, as TRL 1.16 ``DPOTrainer._compute_loss`` forms its scores."""
-    if f_divergence_type == "reverse_kl" or (f_divergence_type == "alpha_divergence" and abs(alpha - 1.0) < 1e-6):
-        return logratio  # f'(u) = log u (the alpha-divergence's limit at alpha = 1)
-    if f_divergence_type == "forward_kl":
-        return 1.0 - torch.exp(-logratio)  # f'(u) = 1 - 1/u
-    if f_divergence_type == "js_divergence":
-        return math.log(2.0) + F.logsigmoid(logratio)  # f'(u) = log(2u / (1 + u))
-    # alpha_divergence: f'(u) = (u^(alpha-1) - 1) / (alpha - 1); TRL caps the exponent at 80 so exp stays finite
-    t = torch.clamp((alpha - 1.0) * logratio, max=80.0)
-    return (torch.exp(t) - 1.0) / (alpha - 1.0)
-
-
-def _smoothed_sigmoid(h, label_smoothing):
-    """``-(1 - ls) logsigmoid(h) - ls logsigmoid(-h)``: cDPO / HALOs ``CDPOTrainer``; also TRL's AOT forms."""
-    return -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
-
-
-def _dpo_pair_losses(loss_type, q, *, beta, label_smoothing, discopop_tau):
-    """Per-pair loss ``[P]`` of one TRL 1.16 DPO loss type; ``q`` holds the per-pair quantities (see :func:`dpo`)."""
-    sc, sr = q["chosen"], q["rejected"]  # clamped log-ratio sums (LD-weighted)
-    h = beta * q["score_margin"]  # beta times the f-divergence score margin (the log-ratio margin for reverse_kl)
-    ls = label_smoothing
-    if loss_type == "sigmoid":
-        return _smoothed_sigmoid(h, ls)  # cDPO; TRL 1.16 ignores label_smoothing here
-    if loss_type == "hinge":
-        return torch.relu(1.0 - h)
-    if loss_type == "ipo":
-        return (q["score_chosen_mean"] - q["score_rejected_mean"] - 1.0 / (2.0 * beta)) ** 2
-    if loss_type == "exo_pair":  # KL(softmax over {chosen, rejected} of the rewards || [1 - ls, ls])
-        return (torch.sigmoid(h) * (F.logsigmoid(h) - math.log1p(-ls))
-                + torch.sigmoid(-h) * (F.logsigmoid(-h) - math.log(ls)))
-    if loss_type == "nca_pair":
-        return -F.logsigmoid(beta * sc) - 0.5 * F.logsigmoid(-beta * sc) - 0.5 * F.logsigmoid(-beta * sr)
-    if loss_type == "robust":
-        return (-(1.0 - ls) * F.logsigmoid(h) + ls * F.logsigmoid(-h)) / (1.0 - 2.0 * ls)
-    if loss_type == "bco_pair":
-        return -F.logsigmoid(beta * sc) - F.logsigmoid(-beta * sr)
-    if loss_type == "sppo_hard":
-        return (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
-    if loss_type == "aot":  # sorts the policy's and the reference's margins apart (refused with clipping)
-        margin = torch.sort(q["policy_margin"]).values - torch.sort(q["reference_margin"]).values
-        return _smoothed_sigmoid(beta * margin, ls)
-    if loss_type == "aot_unpaired":  # sorts the chosen and the rejected log-ratios apart
-        margin = torch.sort(sc).values - torch.sort(sr).values
-        return _smoothed_sigmoid(beta * margin, ls)
-    if loss_type == "apo_zero":
-        return 1.0 - torch.sigmoid(beta * sc) + torch.sigmoid(beta * sr)
-    if loss_type == "apo_down":
-        return torch.sigmoid(beta * sc) + 1.0 - torch.sigmoid(beta * (sc - sr))
-    if loss_type == "discopop":  # logistic and exponential losses mixed by sigmoid(h / tau)
-        mix = torch.sigmoid(h / discopop_tau)
-        return -F.logsigmoid(h) * (1.0 - mix) + torch.exp(-h) * mix
-    if loss_type == "sft":  # the chosen tokens' mean NLL over the batch, one value for every pair
-        return q["chosen_nll"].expand(sc.shape[0])
-    # sigmoid_norm
-    return -F.logsigmoid(beta * (q["score_chosen_mean"] - q["score_rejected_mean"]))
+    return x.sum(dim=1) if ld_alpha is None else (x * O.ld_weights(mask, ld_alpha, x.dtype)).sum(dim=1)
 
 
 def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
@@ -313,40 +224,18 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
         ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, log_sum_sq_probs=log_sum_sq_probs)
     clipped, n_inside, n = _clip_counts(logps, ref_logps, mask, clip)
     s = _ld_sum(clipped, mask, ld_alpha)
-    score = _f_divergence_score(s, f_divergence_type, f_alpha_divergence_coef)
-    count = mask.sum(dim=1).to(logps.dtype).clamp(min=1)
-    chosen, rejected = _pairs(s)
-    score_chosen, score_rejected = _pairs(score)
-    count_chosen, count_rejected = _pairs(count)
-    chosen_tokens = _pairs(mask.sum(dim=1).to(logps.dtype))[0].sum()
-    chosen_logps_sum = _pairs(torch.where(mask, logps, 0.0).sum(dim=1))[0].sum()
-    q = {
-        "chosen": chosen,
-        "rejected": rejected,
-        "score_margin": score_chosen - score_rejected,
-        "score_chosen_mean": score_chosen / count_chosen,
-        "score_rejected_mean": score_rejected / count_rejected,
-        "chosen_nll": torch.where(chosen_tokens > 0, -chosen_logps_sum / chosen_tokens.clamp(min=1), 0.0),
-    }
+    aot = aot_ref = wpo = None
     if "aot" in loss_types:  # clip is None here: the policy's and the reference's own (LD-weighted) sums
-        policy_chosen, policy_rejected = _pairs(_ld_sum(logps, mask, ld_alpha))
-        reference_chosen, reference_rejected = _pairs(_ld_sum(ref_logps, mask, ld_alpha))
-        q["policy_margin"] = policy_chosen - policy_rejected
-        q["reference_margin"] = reference_chosen - reference_rejected
-    pair_weight = None
+        aot, aot_ref = _ld_sum(logps, mask, ld_alpha), _ld_sum(ref_logps, mask, ld_alpha)
     if use_weighting:
         with torch.no_grad():
-            mean_logp = torch.where(mask, logps - log_sum_sq_probs, 0.0).sum(dim=1) / count
-            w_chosen, w_rejected = _pairs(torch.exp(mean_logp))
-            pair_weight = w_chosen * w_rejected
-    loss = logps.new_zeros(())
-    for name, weight in zip(loss_types, weights):
-        per_pair = _dpo_pair_losses(name, q, beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau)
-        if pair_weight is not None:
-            per_pair = per_pair * pair_weight
-        loss = loss + weight * per_pair.mean()
-    return loss, {"unclipped_frac": _masked_ratio(n_inside, n).detach(), **_pair_metrics(beta * chosen,
-                                                                                          beta * rejected)}
+            count = mask.sum(dim=1).to(logps.dtype).clamp(min=1)
+            wpo = torch.exp(torch.where(mask, logps - log_sum_sq_probs, 0.0).sum(dim=1) / count)
+    rows = O.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype), aot, aot_ref, wpo)
+    loss, metrics = O.dpo_from_rows(rows, beta=beta, label_smoothing=label_smoothing, loss_types=loss_types,
+                                    weights=weights, f_divergence_type=f_divergence_type,
+                                    f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau)
+    return loss, {"unclipped_frac": _masked_ratio(n_inside, n).detach(), **metrics}
 
 
 # ---------------------------------------------------------------------------------------------------------------
