@@ -8,6 +8,7 @@ formulas exist once; :mod:`humanline_kernels.reference`'s tests hold them to TRL
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import NamedTuple, Optional
 
 import torch
@@ -30,19 +31,20 @@ class Rows(NamedTuple):
 
 
 def pairs(s):
-    P = s.shape[0] // 2
-    return s[:P], s[P:]
+    """The chosen half and the rejected half of ``[2P, ...]`` rows (views: one op in the backward, a stack)."""
+    return s.view(2, -1, *s.shape[1:]).unbind(0)
 
 
-def pair_metrics(rewards_chosen, rewards_rejected):
-    """Means of the per-pair rewards (detached): chosen, rejected, margin and how often chosen wins."""
-    rc, rr = rewards_chosen.detach(), rewards_rejected.detach()
-    return {
-        "rewards_chosen": rc.mean(),
-        "rewards_rejected": rr.mean(),
-        "reward_margin": (rc - rr).mean(),
-        "reward_accuracy": (rc > rr).to(rc.dtype).mean(),
-    }
+@torch.no_grad()
+def pair_metrics(chosen, rejected, scale=1.0):
+    """Means of the per-pair rewards ``scale * chosen`` and ``scale * rejected`` (detached), their margin, and how
+    often the chosen reward is the larger (compared as rewards: a scale that underflows them ties them)."""
+    r = torch.stack([chosen, rejected])
+    if scale != 1:
+        r = r * scale  # (a Python scalar: no host-to-device copy)
+    rc, rr = r.mean(1).unbind(0)
+    acc = (r[0] > r[1]).to(r.dtype).mean()
+    return {"rewards_chosen": rc, "rewards_rejected": rr, "reward_margin": rc - rr, "reward_accuracy": acc}
 
 
 def f_divergence_score(logratio, f_divergence_type, alpha):
@@ -63,45 +65,100 @@ def smoothed_sigmoid(h, label_smoothing):
     return -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
 
 
+class PairQuantities:
+    """The per-pair quantities DPO's loss types read, each formed on first use, so that a loss type costs the ops
+    it needs and no more: the clamped sums of the chosen and the rejected rows (LD-weighted), ``h = beta (score_c -
+    score_r)`` with the f-divergence scores, the scores' per-token means, the chosen tokens' mean NLL, and "aot"'s
+    policy and reference margins."""
+
+    def __init__(self, rows, *, beta, f_divergence_type, f_alpha_divergence_coef):
+        self.rows, self.beta = rows, beta
+        self.f, self.alpha = f_divergence_type, f_alpha_divergence_coef
+
+    @cached_property
+    def sums(self):
+        return pairs(self.rows.s)
+
+    @cached_property
+    def scores(self):
+        if self.f == "reverse_kl":
+            return self.sums
+        return pairs(f_divergence_score(self.rows.s, self.f, self.alpha))
+
+    @cached_property
+    def h(self):
+        c, r = self.scores
+        return self.beta * (c - r)
+
+    @cached_property
+    def score_means(self):
+        c, r = pairs(self.rows.counts.clamp(min=1))
+        sc, sr = self.scores
+        return sc / c, sr / r
+
+    @cached_property
+    def chosen_nll(self):
+        tokens = pairs(self.rows.counts)[0].sum()
+        return torch.where(tokens > 0, -pairs(self.rows.policy)[0].sum() / tokens.clamp(min=1), 0.0)
+
+    @cached_property
+    def aot_margins(self):
+        pc, pr = pairs(self.rows.aot_policy)
+        rc, rr = pairs(self.rows.aot_reference)
+        return pc - pr, rc - rr
+
+
 def dpo_pair_losses(loss_type, q, *, beta, label_smoothing, discopop_tau):
-    """Per-pair loss ``[P]`` of one TRL 1.16 DPO loss type; ``q`` holds the per-pair quantities (see :func:`dpo`)."""
-    sc, sr = q["chosen"], q["rejected"]  # clamped log-ratio sums (LD-weighted)
-    h = beta * q["score_margin"]  # beta times the f-divergence score margin (the log-ratio margin for reverse_kl)
+    """Per-pair loss ``[P]`` of one TRL 1.16 DPO loss type from the :class:`PairQuantities` ``q`` (see
+    :func:`humanline_kernels.reference.dpo`)."""
     ls = label_smoothing
     if loss_type == "sigmoid":
-        return smoothed_sigmoid(h, ls)  # cDPO; TRL 1.16 ignores label_smoothing here
+        return smoothed_sigmoid(q.h, ls)  # cDPO; TRL 1.16 ignores label_smoothing here
     if loss_type == "hinge":
-        return torch.relu(1.0 - h)
+        return torch.relu(1.0 - q.h)
     if loss_type == "ipo":
-        return (q["score_chosen_mean"] - q["score_rejected_mean"] - 1.0 / (2.0 * beta)) ** 2
+        c, r = q.score_means
+        return (c - r - 1.0 / (2.0 * beta)) ** 2
     if loss_type == "exo_pair":  # KL(softmax over {chosen, rejected} of the rewards || [1 - ls, ls])
+        h = q.h
         return (torch.sigmoid(h) * (F.logsigmoid(h) - math.log1p(-ls))
                 + torch.sigmoid(-h) * (F.logsigmoid(-h) - math.log(ls)))
+    if loss_type == "robust":
+        return (-(1.0 - ls) * F.logsigmoid(q.h) + ls * F.logsigmoid(-q.h)) / (1.0 - 2.0 * ls)
+    if loss_type == "discopop":  # logistic and exponential losses mixed by sigmoid(h / tau)
+        mix = torch.sigmoid(q.h / discopop_tau)
+        return -F.logsigmoid(q.h) * (1.0 - mix) + torch.exp(-q.h) * mix
+    if loss_type == "sigmoid_norm":
+        c, r = q.score_means
+        return -F.logsigmoid(beta * (c - r))
+    if loss_type == "sft":  # the chosen tokens' mean NLL over the batch, one value for every pair
+        return q.chosen_nll.expand(q.sums[0].shape[0])
+    if loss_type == "aot":  # sorts the policy's and the reference's margins apart (refused with clipping)
+        policy, reference = q.aot_margins
+        return smoothed_sigmoid(beta * (torch.sort(policy).values - torch.sort(reference).values), ls)
+    sc, sr = q.sums  # the types below read the log-ratio sums themselves (no f-divergence form)
     if loss_type == "nca_pair":
         return -F.logsigmoid(beta * sc) - 0.5 * F.logsigmoid(-beta * sc) - 0.5 * F.logsigmoid(-beta * sr)
-    if loss_type == "robust":
-        return (-(1.0 - ls) * F.logsigmoid(h) + ls * F.logsigmoid(-h)) / (1.0 - 2.0 * ls)
     if loss_type == "bco_pair":
         return -F.logsigmoid(beta * sc) - F.logsigmoid(-beta * sr)
     if loss_type == "sppo_hard":
         return (sc - 0.5 / beta) ** 2 + (sr + 0.5 / beta) ** 2
-    if loss_type == "aot":  # sorts the policy's and the reference's margins apart (refused with clipping)
-        margin = torch.sort(q["policy_margin"]).values - torch.sort(q["reference_margin"]).values
-        return smoothed_sigmoid(beta * margin, ls)
     if loss_type == "aot_unpaired":  # sorts the chosen and the rejected log-ratios apart
-        margin = torch.sort(sc).values - torch.sort(sr).values
-        return smoothed_sigmoid(beta * margin, ls)
+        return smoothed_sigmoid(beta * (torch.sort(sc).values - torch.sort(sr).values), ls)
     if loss_type == "apo_zero":
         return 1.0 - torch.sigmoid(beta * sc) + torch.sigmoid(beta * sr)
-    if loss_type == "apo_down":
-        return torch.sigmoid(beta * sc) + 1.0 - torch.sigmoid(beta * (sc - sr))
-    if loss_type == "discopop":  # logistic and exponential losses mixed by sigmoid(h / tau)
-        mix = torch.sigmoid(h / discopop_tau)
-        return -F.logsigmoid(h) * (1.0 - mix) + torch.exp(-h) * mix
-    if loss_type == "sft":  # the chosen tokens' mean NLL over the batch, one value for every pair
-        return q["chosen_nll"].expand(sc.shape[0])
-    # sigmoid_norm
-    return -F.logsigmoid(beta * (q["score_chosen_mean"] - q["score_rejected_mean"]))
+    # apo_down
+    return torch.sigmoid(beta * sc) + 1.0 - torch.sigmoid(beta * (sc - sr))
+
+
+def mixture(loss_type, loss_weights, rpo_alpha):
+    """DPO's ``(loss_types, weights)``: TRL 1.16's weighted mixture of loss types (one name is a mixture of one),
+    with RPO's NLL appended as TRL writes it (``"sft"`` weighted ``rpo_alpha``)."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
+    if rpo_alpha is not None:
+        types, weights = types + ["sft"], weights + [rpo_alpha]
+    return types, weights
 
 
 def ld_weights(mask, ld_alpha, dtype=torch.float32):
@@ -119,38 +176,17 @@ def dpo_from_rows(rows, *, beta, label_smoothing, loss_types, weights, f_diverge
                   discopop_tau):
     """DPO's loss and reward metrics from per-row sums, for the checked ``loss_types`` mixed with ``weights``
     (:func:`humanline_kernels.reference.dpo` documents each type; TRL 1.16 ``DPOTrainer._compute_loss``)."""
-    s = rows.s
-    score = f_divergence_score(s, f_divergence_type, f_alpha_divergence_coef)
-    count = rows.counts.clamp(min=1)
-    chosen, rejected = pairs(s)
-    score_chosen, score_rejected = pairs(score)
-    count_chosen, count_rejected = pairs(count)
-    chosen_tokens = pairs(rows.counts)[0].sum()
-    chosen_logps_sum = pairs(rows.policy)[0].sum()
-    q = {
-        "chosen": chosen,
-        "rejected": rejected,
-        "score_margin": score_chosen - score_rejected,
-        "score_chosen_mean": score_chosen / count_chosen,
-        "score_rejected_mean": score_rejected / count_rejected,
-        "chosen_nll": torch.where(chosen_tokens > 0, -chosen_logps_sum / chosen_tokens.clamp(min=1), 0.0),
-    }
-    if "aot" in loss_types:  # clip is None here: the policy's and the reference's own (LD-weighted) sums
-        policy_chosen, policy_rejected = pairs(rows.aot_policy)
-        reference_chosen, reference_rejected = pairs(rows.aot_reference)
-        q["policy_margin"] = policy_chosen - policy_rejected
-        q["reference_margin"] = reference_chosen - reference_rejected
-    pair_weight = None
-    if rows.wpo is not None:
-        w_chosen, w_rejected = pairs(rows.wpo)
-        pair_weight = w_chosen * w_rejected
-    loss = s.new_zeros(())
+    q = PairQuantities(rows, beta=beta, f_divergence_type=f_divergence_type,
+                       f_alpha_divergence_coef=f_alpha_divergence_coef)
+    loss = None
     for name, weight in zip(loss_types, weights):
         per_pair = dpo_pair_losses(name, q, beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau)
-        if pair_weight is not None:
-            per_pair = per_pair * pair_weight
-        loss = loss + weight * per_pair.mean()
-    return loss, pair_metrics(beta * chosen, beta * rejected)
+        if rows.wpo is not None:
+            c, r = pairs(rows.wpo)
+            per_pair = per_pair * (c * r)
+        term = per_pair.mean() if weight == 1 else weight * per_pair.mean()
+        loss = term if loss is None else loss + term
+    return loss, pair_metrics(*q.sums, beta)
 
 
 def ipo_from_sums(s_mean, *, beta):

@@ -33,6 +33,10 @@ class NoInputs(NamedTuple):
     pass
 
 
+class DPOInputs(NamedTuple):
+    log_sum_sq_probs: Optional[Tensor] = None  # per-token log sum_v p_v^2 (WPO, at the log-prob level only)
+
+
 class KTOInputs(NamedTuple):
     desirable: Tensor
     kl_logps: Optional[Tensor] = None
@@ -69,9 +73,34 @@ class Loss(Tokens):
 
 @dataclass(frozen=True, kw_only=True)
 class DPO(Loss):
+    """DPO and TRL 1.16's DPO loss types (``hk.reference.dpo`` documents each keyword)."""
+
     beta: float = 0.1
     label_smoothing: float = 0.0
+    loss_type: object = "sigmoid"  # a name or a tuple of names
+    loss_weights: Optional[tuple] = None
+    rpo_alpha: Optional[float] = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    ld_alpha: Optional[float] = None
+    discopop_tau: float = 0.05
+    use_weighting: bool = False
     name: ClassVar[str] = "dpo"
+    Inputs: ClassVar[type] = DPOInputs
+
+    def __post_init__(self):
+        # a list of loss types (TRL's config form) is kept as a tuple: params are hashable, torch.compile constants
+        for name in ("loss_type", "loss_weights"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def fast(self) -> bool:
+        """Whether the DPO finalize kernel computes this loss (sigmoid / cDPO on plain sums) rather than the
+        sequence-level primitive and the batch math of :mod:`humanline_kernels._objectives`."""
+        return (self.loss_type in ("sigmoid", ("sigmoid",)) and self.loss_weights in (None, (1.0,))
+                and self.rpo_alpha is None and self.f_divergence_type == "reverse_kl" and self.ld_alpha is None
+                and not self.use_weighting)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,8 +108,45 @@ class KTO(Loss):
     beta: float = 0.1
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    loss_type: str = "kto"  # or "apo_zero_unpaired" (no baseline)
+    kl_estimate: str = "halos"  # z0 from the KL rows: HALOs' (non-empty rows) or TRL's (every row)
     name: ClassVar[str] = "kto"
     Inputs: ClassVar[type] = KTOInputs
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceLoss(Loss):
+    """An objective on per-sequence sums: no clipping unless asked for (DESIGN's default for these)."""
+
+    clip: Optional[HumanlineClip] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sequence(SequenceLoss):
+    """The sequence-level primitive: ``(s, policy_sums, metrics)``."""
+
+    normalize: bool = False
+    name: ClassVar[str] = "sequence"
+
+
+@dataclass(frozen=True, kw_only=True)
+class IPO(SequenceLoss):
+    beta: float = 0.1
+    name: ClassVar[str] = "ipo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimPO(SequenceLoss):
+    beta: float = 2.0
+    gamma_beta_ratio: float = 0.25
+    name: ClassVar[str] = "simpo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SLiC(SequenceLoss):
+    beta: float = 1.0
+    lambda_coef: float = 0.1
+    name: ClassVar[str] = "slic"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from . import _objectives as O
 from ._clip import HumanlineClip
 from .ops.constants import GRPO_AGGREGATION, GRPO_LOSS_TYPES
 
@@ -80,11 +81,27 @@ def check_dpo_rows(B):
         )
 
 
-def check_dpo(p, B):
-    """DPO's options and rows."""
+def check_dpo(p, B, like, inp=None):
+    """DPO's options (TRL 1.16's loss types, mixtures, RPO, f-divergences, LD-DPO, WPO) and rows; ``like`` is a
+    ``[B, T]`` log-prob input (the shape WPO's ``log_sum_sq_probs`` must have). Returns the mixture
+    ``(loss_types, weights)``."""
     _check_loss(p)
-    check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
     check_dpo_rows(B)
+    return check_dpo_options(
+        like, clip=p.clip, beta=p.beta, label_smoothing=p.label_smoothing, loss_type=p.loss_type,
+        loss_weights=p.loss_weights, rpo_alpha=p.rpo_alpha, f_divergence_type=p.f_divergence_type,
+        f_alpha_divergence_coef=p.f_alpha_divergence_coef, ld_alpha=p.ld_alpha, discopop_tau=p.discopop_tau,
+        use_weighting=p.use_weighting, log_sum_sq_probs=None if inp is None else inp.log_sum_sq_probs)
+
+
+def check_fused_dpo(p, types):
+    """What the logits and hidden-state levels cannot compute of DPO's options, refused with the reason."""
+    if p.use_weighting:
+        raise ValueError("use_weighting (WPO) needs each token's log sum_v p_v^2, which the fused row kernels do not "
+                         "compute: use hk.losses.dpo with TRL's log_sum_sq_probs")
+    if "aot" in types and p.ld_alpha is not None:
+        raise ValueError("loss_type 'aot' with ld_alpha needs the policy's and the reference's own LD-weighted sums, "
+                         "which the sequence-level kernels do not form: use hk.losses.dpo")
 
 
 def check_kto(p, B, device, inp):
@@ -101,6 +118,31 @@ def check_kto(p, B, device, inp):
         check_tensor("kl_mask", kl[2], shape=kl[0].shape, dtypes=(torch.bool,), device=device)
     check_real("desirable_weight", p.desirable_weight, low=0.0)
     check_real("undesirable_weight", p.undesirable_weight, low=0.0)
+    check_kto_options(loss_type=p.loss_type, kl_estimate=p.kl_estimate, has_kl_rows=all(given))
+
+
+def check_sequence(p):
+    """The sequence-level primitive's options."""
+    check_clip(p.clip)
+    check_flag("normalize", p.normalize)
+
+
+def check_ipo(p, B):
+    check_dpo_rows(B)
+    check_clip(p.clip)
+    check_real("beta", p.beta, low=0.0, low_open=True)  # IPO divides by beta
+
+
+def check_simpo(p, B):
+    check_dpo_rows(B)
+    _check_loss(p)
+    check_real("gamma_beta_ratio", p.gamma_beta_ratio)
+
+
+def check_slic(p, B):
+    check_dpo_rows(B)
+    _check_loss(p)
+    check_real("lambda_coef", p.lambda_coef)
 
 
 def check_grpo(p, shape, like, inp):
@@ -175,11 +217,13 @@ def check_logits(logits, labels, p, validate):
 
 
 def check_logits_loss(logits, labels, ref_logps, p, validate):
-    """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` shaped like ``labels``, fp32/64."""
+    """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` shaped like ``labels``, fp32/64 (None
+    passes: a reference of 0)."""
     check_logits(logits, labels, p, validate)
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
-    check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+    if ref_logps is not None:
+        check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
 
 
 def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
@@ -208,11 +252,13 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
 
 
 def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
-    """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` shaped like ``labels``, fp32/64."""
+    """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` shaped like ``labels``, fp32/64 (None
+    passes: a reference of 0)."""
     check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {_shape(hidden)}")
-    check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+    if ref_logps is not None:
+        check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
 
 
 # ------------------------------------------------------------------ TRL 1.16's loss options (hk.reference, hk.losses)
@@ -252,19 +298,15 @@ def check_dpo_options(logps, *, clip, beta, label_smoothing, loss_type, loss_wei
     for t in types:
         if t not in DPO_LOSS_TYPES:
             raise ValueError(f"loss_type must be in {DPO_LOSS_TYPES}, got {t!r}")
-    if loss_weights is None:
-        weights = [1.0] * len(types)
-    else:
+    if loss_weights is not None:
         if not isinstance(loss_weights, (list, tuple)) or len(loss_weights) != len(types):
             raise ValueError(f"loss_weights must be a list with one weight per loss_type ({len(types)}), "
                              f"got {loss_weights!r}")
         for w in loss_weights:
             check_real("loss_weights", w)
-        weights = list(loss_weights)
-    types = list(types)
     if rpo_alpha is not None:
         check_real("rpo_alpha", rpo_alpha, low=0.0)
-        types, weights = types + ["sft"], weights + [rpo_alpha]
+    types, weights = O.mixture(loss_type, loss_weights, rpo_alpha)
     if clip is not None and "aot" in types:
         raise ValueError("loss_type 'aot' has no humanline form: it sorts the policy's and the reference's "
                          "chosen-minus-rejected sums separately, so no per-token log-ratio exists to clamp; "

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import torch
 
+from . import _objectives as O
 from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
-from ._params import DPO, KTO, GRPOInputs, KTOInputs, NoInputs, Tokens
+from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
 from .ops.constants import named_metrics
 from .ops.logprobs import eager as logprobs_eager
 
-__all__ = ["token_logprobs", "grpo", "dpo", "kto"]
+__all__ = ["token_logprobs", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo", "slic"]
 
 
 def _kernels():
@@ -158,6 +159,47 @@ class _GrpoGradInForward(torch.autograd.Function):
         return (None, None, grad) + (None,) * (2 + ctx.n)
 
 
+class _Sequences(torch.autograd.Function):
+    """The sequence-level primitive on the kernel path: ``(s, policy_sums, counts, metrics [3])`` with
+    ``s_b = sum_t m w Delta_hat`` (``w`` the token weights, or 1) and ``policy_sums_b = sum_t m l``: the row kernel,
+    then the sums kernel. The backward is one launch: ``d l_t = grad_s[b] w coef + grad_policy[b]`` into the
+    softmax backward."""
+
+    @staticmethod
+    def forward(ctx, p, inplace, logits, labels, ref, token_weights):
+        _, TT, FIN = _kernels()
+        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p)
+        s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
+        if token_weights is not None:
+            coef = coef * token_weights.to(coef.dtype)
+        ctx.save_for_backward(logits, labels, lse, coef)
+        ctx.cfg = (p, inplace)
+        ctx.mark_non_differentiable(n, met)
+        ctx.set_materialize_grads(False)
+        return s, pol, n, met
+
+    @staticmethod
+    def backward(ctx, grad_s, grad_pol, _grad_n, _grad_met):
+        if grad_s is None and grad_pol is None:
+            return (None,) * 6
+        logits, labels, lse, coef = ctx.saved_tensors
+        p, inplace = ctx.cfg
+        w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.contiguous()  # autograd may expand a [B] 1
+        add = None if grad_pol is None else grad_pol.contiguous()
+        d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                       out=logits if inplace else None, row_weight=w, row_add=add)
+        return None, None, d, None, None, None
+
+
+def _kernel_rows(p, logits, labels, ref_logps, inplace, token_weights=None):
+    """``(Rows, metrics)`` of the sequence-level primitive on the kernel path (``ref_logps=None``: a reference of
+    0)."""
+    if ref_logps is None:
+        ref_logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    s, pol, n, met = _Sequences.apply(p, bool(inplace), logits, labels, ref_logps, token_weights)
+    return O.Rows(s, pol, n), named_metrics("sequence", met)
+
+
 def _distinct(*ts):
     """The tensors, a repeated one as a view of itself (free): Dynamo refuses the same tensor twice in the inputs
     of an autograd.Function (e.g. ``kl_ref_logps=ref_logps``)."""
@@ -170,10 +212,18 @@ def _distinct(*ts):
     return out
 
 
+def _eager_logps(p, logits, labels, ref_logps):
+    """Eager differentiable log-probs (fp64 for fp64 inputs) and the mask."""
+    logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
+    if ref_logps is not None:
+        logps = logps.to(ref_logps.dtype)
+    return logps, labels != p.ignore_index
+
+
 def _eager(p, logits, labels, ref_logps, inp):
     """The eager path of a loss: eager differentiable log-probs, then the loss's math."""
-    logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
-    return losses.compute(p, logps.to(ref_logps.dtype), ref_logps, labels != p.ignore_index, inp)
+    logps, mask = _eager_logps(p, logits, labels, ref_logps)
+    return losses.compute(p, logps, ref_logps, mask, inp)
 
 
 def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
@@ -204,31 +254,99 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
     return loss, named_metrics("grpo", met)
 
 
-def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, temperature=1.0,
-        ignore_index=-100, validate=True, inplace_backward=False):
-    """Humanline DPO from ``logits [2P, T, V]``; same keywords and result as :func:`humanline_kernels.losses.dpo`."""
-    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, temperature=temperature,
+def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
+        loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
+        ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0, ignore_index=-100, validate=True,
+        inplace_backward=False):
+    """Humanline DPO from ``logits [2P, T, V]``; same keywords and result as :func:`humanline_kernels.losses.dpo`
+    (WPO's ``use_weighting`` is refused: it needs each token's ``log sum p^2``). DPO and cDPO run in the DPO
+    finalize kernel; TRL's other loss types and options on the sequence-level primitive (:func:`sequence_logratios`)
+    and the batch math of :mod:`humanline_kernels._objectives`."""
+    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, loss_weights=loss_weights,
+            rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+            ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
     V.check_logits_loss(logits, labels, ref_logps, p, validate)
-    V.check_dpo(p, labels.shape[0])
+    mixture = V.check_dpo(p, labels.shape[0], ref_logps)
+    V.check_fused_dpo(p, mixture[0])
     if not ops.use_kernels(logits, ref_logps):
-        return _eager(p, logits, labels, ref_logps, NoInputs())
-    loss, met = _FusedLoss.apply(p, bool(inplace_backward), logits, labels, ref_logps)
-    return loss, named_metrics("dpo", met)
+        return _eager(p, logits, labels, ref_logps, DPOInputs())
+    if p.fast:
+        loss, met = _FusedLoss.apply(p, bool(inplace_backward), logits, labels, ref_logps)
+        return loss, named_metrics("dpo", met)
+    mask = labels != ignore_index
+    tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha)
+    rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, tw)
+    if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
+        rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
+    return losses.from_rows(p, rows, metrics, mixture=mixture)
 
 
 def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
-        beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, temperature=1.0, ignore_index=-100, validate=True,
-        inplace_backward=False):
-    """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass."""
+        beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto", kl_estimate="halos", temperature=1.0,
+        ignore_index=-100, validate=True, inplace_backward=False):
+    """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass. Same
+    keywords and result as :func:`humanline_kernels.losses.kto`."""
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
-            temperature=temperature, ignore_index=ignore_index)
+            loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
     V.check_logits_loss(logits, labels, ref_logps, p, validate)
     V.check_kto(p, labels.shape[0], labels.device, inp)
     if not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
         return _eager(p, logits, labels, ref_logps, inp)
-    if losses.distributed():  # the baseline's sum and count are all-reduced across ranks first
-        inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps))
+    if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
+        return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward), inp)
+    if losses.distributed() or kl_estimate != "halos":  # the finalize kernel finds HALOs' baseline on one rank only
+        inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps, kl_estimate))
     loss, met = _FusedLoss.apply(p, bool(inplace_backward), logits, labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("kto", met)
+
+
+def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False, temperature=1.0, ignore_index=-100,
+                       validate=True, inplace_backward=False):
+    """The sequence-level primitive from ``logits [B, T, V]``: ``(s [B], policy_sums [B], metrics)``, as
+    :func:`humanline_kernels.losses.sequence_logratios` (``ref_logps=None``: a reference of 0). Kernel path: the
+    row kernel and one sums kernel forward, one launch backward, whatever loss is built on the sums."""
+    p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
+    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    V.check_sequence(p)
+    if ops.use_kernels(logits, ref_logps):
+        rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward)
+    else:
+        logps, mask = _eager_logps(p, logits, labels, ref_logps)
+        rows, metrics = losses.sequence_rows(logps, ref_logps, mask, clip)
+    return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
+
+
+def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, ignore_index=-100, validate=True,
+        inplace_backward=False):
+    """Humanline IPO from ``logits [2P, T, V]``; as :func:`humanline_kernels.losses.ipo`."""
+    p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
+    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    V.check_ipo(p, labels.shape[0])
+    if not ops.use_kernels(logits, ref_logps):
+        return _eager(p, logits, labels, ref_logps, None)
+    return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward))
+
+
+def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0, ignore_index=-100,
+          validate=True, inplace_backward=False):
+    """Humanline SimPO from ``logits [2P, T, V]`` (a reference of 0); as :func:`humanline_kernels.losses.simpo`."""
+    p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
+              ignore_index=ignore_index)
+    V.check_logits_loss(logits, labels, None, p, validate)
+    V.check_simpo(p, labels.shape[0])
+    if not ops.use_kernels(logits):
+        return _eager(p, logits, labels, None, None)
+    return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward))
+
+
+def slic(logits, labels, *, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0, ignore_index=-100, validate=True,
+         inplace_backward=False):
+    """Humanline SLiC from ``logits [2P, T, V]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
+    p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
+    V.check_logits_loss(logits, labels, None, p, validate)
+    V.check_slic(p, labels.shape[0])
+    if not ops.use_kernels(logits):
+        return _eager(p, logits, labels, None, None)
+    return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward))

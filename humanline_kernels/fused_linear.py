@@ -40,15 +40,17 @@ from __future__ import annotations
 
 import torch
 
+from . import _objectives as O
 from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
-from ._params import DPO, KTO, GRPOInputs, KTOInputs, Tokens
+from ._params import DPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
 from .fused import _distinct
 from .ops import linear as LC
 from .ops.constants import named_metrics
 
-__all__ = ["token_logprobs", "token_logprobs_nograd", "grpo", "dpo", "kto", "CHUNK_BYTES"]
+__all__ = ["token_logprobs", "token_logprobs_nograd", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo",
+           "slic", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 512 << 20  # logits buffer budget: 2048 tokens of a 128k vocabulary in bf16
 
@@ -154,6 +156,111 @@ def token_logprobs_nograd(hidden, weight, labels, **kw):
     return token_logprobs(hidden, weight, labels, **kw)
 
 
+# ------------------------------------------------------------------------------------- the sequence-level sums
+class _LinearSequences(torch.autograd.Function):
+    """The sequence-level primitive from the hidden states: ``(s, policy_sums, counts, metrics [3])`` (see
+    :func:`humanline_kernels.fused.sequence_logratios`), token chunks through the row kernel, then the sums kernel.
+    The loss on the sums is known only after every chunk, so the backward recomputes each chunk's GEMM (8 N D V
+    flops, as the plain log-probs) and writes ``d l_t = grad_s[b] w coef + grad_policy[b]`` into its softmax
+    backward."""
+
+    @staticmethod
+    def forward(ctx, p, rows, kernels, hidden, weight, bias, labels, ref, token_weights):
+        _, TT, FIN = LC.impl(kernels)
+        B, T = labels.shape
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        f = dict(dtype=_acc(hidden), device=hidden.device)
+        out = tuple(torch.empty((B, T), **f) for _ in range(3)) + (torch.empty((4, B, T), **f),)
+        ref = torch.zeros((B, T), **f) if ref is None else ref.to(f["dtype"]).contiguous()
+        chunks = LC.token_chunks(B * T, rows)
+        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        for segs in chunks:
+            TT.token_terms(LC.chunk_logits(buf, h2, wt, bias, segs), labels, ref, p, out=out, segs=segs)
+        val, coef, lse, aux = out
+        s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
+        if token_weights is not None:
+            coef = coef * token_weights.to(coef.dtype)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, coef)
+        ctx.cfg = (p, chunks, kernels)
+        ctx.mark_non_differentiable(n, met)
+        ctx.set_materialize_grads(False)
+        return s, pol, n, met
+
+    @staticmethod
+    def backward(ctx, grad_s, grad_pol, _grad_n, _grad_met):
+        if grad_s is None and grad_pol is None:
+            return (None,) * 9
+        hidden, weight, bias, labels, lse, coef = ctx.saved_tensors
+        p, chunks, kernels = ctx.cfg
+        LP = LC.impl(kernels)[0]
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[3:6])
+        w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.to(lse.dtype).contiguous()
+        add = None if grad_pol is None else grad_pol.to(lse.dtype).contiguous()
+        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        for i, segs in enumerate(chunks):
+            z = LC.chunk_logits(buf, h2, wt, bias, segs)  # recomputed: dL/dz is formed in place of the logits
+            LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
+                            segs=segs)
+            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
+        dh = None if dh is None else dh.view(hidden.shape)
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(bias.dtype)
+        return None, None, None, dh, dw, db, None, None, None
+
+
+def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights=None):
+    """``(Rows, metrics)`` of the sequence-level primitive (``ref_logps=None``: a reference of 0)."""
+    rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+    s, pol, n, met = _LinearSequences.apply(p, rows, ops.use_kernels(hidden, ref_logps), hidden, weight, bias,
+                                            labels, ref_logps, token_weights)
+    return O.Rows(s, pol, n), named_metrics("sequence", met)
+
+
+def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=None, normalize=False, temperature=1.0,
+                       ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+    """The sequence-level primitive from ``hidden [B, T, D]`` and ``weight [V, D]``: ``(s [B], policy_sums [B],
+    metrics)``, as :func:`humanline_kernels.losses.sequence_logratios`; the backward recomputes the lm_head GEMM
+    chunk by chunk."""
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
+    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    V.check_sequence(p)
+    rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes)
+    return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
+
+
+def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip=None, beta=0.1, temperature=1.0, ignore_index=-100,
+        chunk_bytes=CHUNK_BYTES, validate=True):
+    """Humanline IPO from ``hidden [2P, T, D]``; as :func:`humanline_kernels.losses.ipo`."""
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
+    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    V.check_ipo(p, labels.shape[0])
+    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes))
+
+
+def simpo(hidden, weight, labels, *, bias=None, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0,
+          ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+    """Humanline SimPO from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.simpo`."""
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
+              ignore_index=ignore_index)
+    V.check_linear_loss(hidden, weight, bias, labels, None, p, chunk_bytes, validate)
+    V.check_simpo(p, labels.shape[0])
+    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes))
+
+
+def slic(hidden, weight, labels, *, bias=None, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0,
+         ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+    """Humanline SLiC from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
+    V.check_linear_loss(hidden, weight, bias, labels, None, p, chunk_bytes, validate)
+    V.check_slic(p, labels.shape[0])
+    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes))
+
+
 # -------------------------------------------------------------------------------------------------------- losses
 class _LinearLoss(torch.autograd.Function):
     """``(loss, metrics [K])`` of the loss ``p`` (``inputs``: its inputs, flattened) with ``dh``, ``dW``, ``db``
@@ -247,32 +354,48 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
 
 
 def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0,
-        temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+        loss_type="sigmoid", loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl",
+        f_alpha_divergence_coef=0.5, ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0,
+        ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
     """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first); keywords and result of
-    :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes``. Chunks hold whole pairs."""
+    :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes`` (WPO refused, as at the logits level).
+    DPO and cDPO: chunks of whole pairs with the gradient formed in the forward (6 N D V flops); TRL's other loss
+    types and options: the sequence-level primitive (:func:`sequence_logratios`, 8 N D V)."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, temperature=temperature,
+    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, loss_weights=loss_weights,
+            rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+            ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
     V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
-    V.check_dpo(p, labels.shape[0])
+    mixture = V.check_dpo(p, labels.shape[0], ref_logps)
+    V.check_fused_dpo(p, mixture[0])
+    if not p.fast:
+        tw = None if ld_alpha is None else O.ld_weights(labels != ignore_index, ld_alpha)
+        rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, tw)
+        if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
+            rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
+        return losses.from_rows(p, rows, metrics, mixture=mixture)
     loss, met = _LinearLoss.apply(p, chunk_bytes, ops.use_kernels(hidden, ref_logps), _need(hidden, weight, bias),
                                   hidden, weight, bias, labels, ref_logps)
     return loss, named_metrics("dpo", met)
 
 
 def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
-        bias=None, clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, temperature=1.0,
-        ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+        bias=None, clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
+        kl_estimate="halos", temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
     """Humanline KTO from ``hidden [B, T, D]``; the KL rows come as log-probs (``kl_logps``, ``kl_ref_logps``,
-    ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows."""
+    ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows. Same
+    keywords and result as :func:`humanline_kernels.losses.kto`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
-            temperature=temperature, ignore_index=ignore_index)
+            loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
     V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
     V.check_kto(p, labels.shape[0], labels.device, inp)
-    if losses.distributed():  # z0 is known before any chunk runs: all-reduced across ranks
-        inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps))
+    if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
+        return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes), inp)
+    if losses.distributed() or kl_estimate != "halos":  # z0 known before any chunk runs (all-reduced across ranks)
+        inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps, kl_estimate))
     kernels = ops.use_kernels(hidden, ref_logps, kl_logps, kl_ref_logps)
     loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), hidden, weight, bias, labels,
                                   *_distinct(ref_logps, *inp))

@@ -18,12 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _objectives as O
 from . import _validation as V
 from ._clip import DEFAULT_CLIP
-from ._params import DPO, GRPO, KTO, GRPOInputs, KTOInputs
+from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC
 
-__all__ = ["dpo", "kto", "grpo", "compute", "clip_log_ratio", "dpo_from_sums", "kto_from_sums", "kto_baseline",
-           "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate"]
+__all__ = ["dpo", "kto", "grpo", "ipo", "simpo", "slic", "sequence_logratios", "compute", "clip_log_ratio",
+           "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate"]
 
 
 def _frac(num, den):
@@ -68,27 +69,38 @@ def distributed() -> bool:
 
 
 @torch.no_grad()
-def kto_baseline(s_kl):
-    """KTO's ``z0 = max(0, sum(s_kl) / #{s_kl != 0})`` (0 with no non-zero row), all-reduced across ranks."""
-    total = torch.stack([s_kl.sum(), (s_kl != 0).sum().to(s_kl.dtype)])
+def kto_baseline(s_kl, kl_estimate="halos"):
+    """KTO's detached baseline from the KL rows' clipped sums ``s_kl``: HALOs' ``max(0, sum(s_kl) / #{s_kl != 0})``
+    (0 with no non-zero row; sum and count all-reduced across ranks), or TRL's ``max(0, mean(s_kl))`` over every
+    row (a rank's mean, then the mean of the ranks' means)."""
+    if kl_estimate == "halos":
+        total = torch.stack([s_kl.sum(), (s_kl != 0).sum().to(s_kl.dtype)])
+    else:
+        local_mean = s_kl.sum() / max(s_kl.shape[0], 1)
+        total = torch.stack([local_mean, torch.ones_like(local_mean)])
     if distributed():
         torch.distributed.all_reduce(total)
     return torch.where(total[1] > 0, total[0] / total[1].clamp(min=1), 0.0).clamp(min=0.0)
 
 
 @torch.no_grad()
-def kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, like):
+def kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, like, kl_estimate="halos"):
     """:func:`kto_baseline` of the KL rows' clipped sums (no rows when ``kl_logps`` is None: ``z0 = 0``), detached,
     in ``like``'s dtype and device."""
     s_kl = like.new_zeros(0) if kl_logps is None else \
         clip_log_ratio(kl_logps, kl_ref_logps, kl_mask, clip)[0].sum(dim=1).to(like.dtype)
-    return kto_baseline(s_kl)
+    return kto_baseline(s_kl, kl_estimate)
 
 
-def kto_from_sums(s, z0, desirable, *, beta, desirable_weight, undesirable_weight):
-    """KTO loss and reward metrics from per-row clipped sums ``s [B]`` and the detached baseline ``z0``."""
-    loss_d = desirable_weight * (1.0 - torch.sigmoid(beta * (s - z0)))
-    loss_u = undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - s)))
+def kto_from_sums(s, z0, desirable, *, beta, desirable_weight, undesirable_weight, loss_type="kto"):
+    """KTO loss and reward metrics from per-row clipped sums ``s [B]`` and the detached baseline ``z0``;
+    ``loss_type="apo_zero_unpaired"`` (TRL 1.16) has no baseline (``z0`` is 0 then)."""
+    if loss_type == "kto":
+        loss_d = desirable_weight * (1.0 - torch.sigmoid(beta * (s - z0)))
+        loss_u = undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - s)))
+    else:  # push desirable log-ratios up and undesirable ones down
+        loss_d = desirable_weight * (1.0 - torch.sigmoid(beta * s))
+        loss_u = undesirable_weight * torch.sigmoid(beta * s)
     loss = torch.where(desirable, loss_d, loss_u).mean()
     with torch.no_grad():
         r = beta * s
@@ -138,22 +150,89 @@ def grpo_aggregate(per_token, mask, *, loss_type, normalizer, max_completion_len
     return per_token.sum() / (B * (T if max_completion_length is None else max_completion_length))
 
 
+# ------------------------------------------------------------------ the sequence-level primitive
+def sequence_metrics(n_inside, n):
+    """The primitive's metrics (detached 0-d): ``unclipped_frac``, ``n_tokens``, ``n_unclipped``."""
+    return {"unclipped_frac": _frac(n_inside, n).detach(), "n_tokens": n.detach(), "n_unclipped": n_inside.detach()}
+
+
+def sequence_rows(logps, ref_logps, mask, clip, token_weights=None):
+    """``(Rows, metrics)`` of per-token log-probs: ``s = sum_t m w Delta_hat`` (``w`` the token weights, else 1;
+    ``ref_logps=None`` is a reference of 0), the policy's sums and the token counts (:class:`._objectives.Rows`)."""
+    ref = torch.zeros_like(logps) if ref_logps is None else ref_logps
+    clipped, n_in, n = clip_log_ratio(logps, ref, mask, clip)
+    s = (clipped if token_weights is None else clipped * token_weights.to(logps.dtype)).sum(dim=1)
+    rows = O.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype))
+    return rows, sequence_metrics(n_in, n)
+
+
+def mean_sums(rows):
+    """``s`` divided by each row's token count (0 for an empty row)."""
+    return rows.s / rows.counts.clamp(min=1)
+
+
+def from_rows(p, rows, metrics, inp=None, mixture=None):
+    """The objective ``p`` names from per-row sums (:class:`._objectives.Rows`, from any level's primitive):
+    ``(loss, metrics)``. ``mixture``: DPO's checked ``(loss_types, weights)``; ``inp``: KTO's inputs."""
+    if p.name == "ipo":
+        loss, m = O.ipo_from_sums(mean_sums(rows), beta=p.beta)
+    elif p.name == "simpo":
+        loss, m = O.simpo_from_sums(mean_sums(rows), beta=p.beta, gamma_beta_ratio=p.gamma_beta_ratio)
+    elif p.name == "slic":
+        loss, m = O.slic_from_sums(rows.s, rows.policy, beta=p.beta, lambda_coef=p.lambda_coef)
+    elif p.name == "dpo":
+        types, weights = mixture
+        loss, m = O.dpo_from_rows(rows, beta=p.beta, label_smoothing=p.label_smoothing, loss_types=types,
+                                  weights=weights, f_divergence_type=p.f_divergence_type,
+                                  f_alpha_divergence_coef=p.f_alpha_divergence_coef, discopop_tau=p.discopop_tau)
+    else:  # KTO apo_zero_unpaired: no baseline
+        loss, m = kto_from_sums(rows.s, rows.s.new_zeros(()), inp.desirable, beta=p.beta,
+                                desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight,
+                                loss_type=p.loss_type)
+    return loss, {"unclipped_frac": metrics["unclipped_frac"], **m}
+
+
 # ------------------------------------------------------------------ each loss given its checked params
 def _dpo(p, logps, ref_logps, mask, inp):
+    if not p.fast:  # TRL's loss types and options: the sequence sums, then the batch math of _objectives
+        tw = None if p.ld_alpha is None else O.ld_weights(mask, p.ld_alpha, logps.dtype)
+        rows, m = sequence_rows(logps, ref_logps, mask, p.clip, tw)
+        types, weights = O.mixture(p.loss_type, p.loss_weights, p.rpo_alpha)
+        if "aot" in types:  # clip is None: the policy's and the reference's own (LD-weighted) sums
+            rows = rows._replace(aot_policy=_weighted_sum(logps, mask, tw),
+                                 aot_reference=_weighted_sum(ref_logps, mask, tw))
+        if p.use_weighting:
+            with torch.no_grad():
+                lssp = inp.log_sum_sq_probs.to(logps.dtype)
+                mean_logp = _weighted_sum(logps - lssp, mask, None) / rows.counts.clamp(min=1)
+                rows = rows._replace(wpo=torch.exp(mean_logp))
+        return from_rows(p, rows, m, mixture=(types, weights))
     clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, p.clip)
     loss, metrics = dpo_from_sums(clipped.sum(dim=1), beta=p.beta, label_smoothing=p.label_smoothing)
     metrics["unclipped_frac"] = _frac(n_in, n).detach()
     return loss, metrics
 
 
+def _weighted_sum(x, mask, token_weights):
+    x = torch.where(mask, x, 0.0)
+    return (x if token_weights is None else x * token_weights).sum(dim=1)
+
+
 def _kto(p, logps, ref_logps, mask, inp):
     clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, p.clip)
     s = clipped.sum(dim=1)
-    z0 = inp.z0 if inp.z0 is not None else kto_kl_baseline(inp.kl_logps, inp.kl_ref_logps, inp.kl_mask, p.clip, s)
+    z0 = inp.z0
+    if z0 is None:
+        z0 = kto_kl_baseline(inp.kl_logps, inp.kl_ref_logps, inp.kl_mask, p.clip, s, p.kl_estimate)
     loss, metrics = kto_from_sums(s, z0.to(s.dtype), inp.desirable, beta=p.beta, desirable_weight=p.desirable_weight,
-                                  undesirable_weight=p.undesirable_weight)
+                                  undesirable_weight=p.undesirable_weight, loss_type=p.loss_type)
     metrics["unclipped_frac"] = _frac(n_in, n).detach()
     return loss, metrics
+
+
+def _sequence_loss(p, logps, ref_logps, mask, inp):
+    rows, m = sequence_rows(logps, ref_logps if p.name == "ipo" else None, mask, p.clip)
+    return from_rows(p, rows, m, inp)
 
 
 def _grpo(p, logps, ref_logps, mask, inp):
@@ -174,7 +253,8 @@ def _grpo(p, logps, ref_logps, mask, inp):
     return loss, metrics
 
 
-_LOSSES = {"dpo": _dpo, "kto": _kto, "grpo": _grpo}
+_LOSSES = {"dpo": _dpo, "kto": _kto, "grpo": _grpo, "ipo": _sequence_loss, "simpo": _sequence_loss,
+           "slic": _sequence_loss}
 
 
 def compute(p, logps, ref_logps, mask, inp):
@@ -193,18 +273,63 @@ def grpo_params(*, clip, beta, epsilon_low, epsilon_high, loss_type, normalizer,
 
 
 # ------------------------------------------------------------------ the public functions of this level
-def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0):
-    """Humanline DPO from ``[2P, T]`` log-probs; returns ``(loss, metrics)``. See :mod:`humanline_kernels.reference`."""
-    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing)
+def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False):
+    """``(s [B], policy_sums [B], metrics)``: per-sequence sums of the clamped log-ratio (divided by the token count
+    when ``normalize``) and of the policy's log-probs (never clamped); ``ref_logps=None`` is a reference of 0.
+    Differentiable; see :func:`humanline_kernels.reference.sequence_logratios`."""
+    p = Sequence(clip=clip, normalize=normalize)
+    V.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
+    V.check_sequence(p)
+    rows, metrics = sequence_rows(logps, ref_logps, mask, clip)
+    return (mean_sums(rows) if normalize else rows.s), rows.policy, metrics
+
+
+def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1):
+    """Humanline IPO from ``[2P, T]`` log-probs (HALOs' IPO; TRL's "ipo"); see
+    :func:`humanline_kernels.reference.ipo`."""
+    p = IPO(clip=clip, beta=beta)
     V.check_logps(logps, ref_logps, mask)
-    V.check_dpo(p, logps.shape[0])
-    return _dpo(p, logps, ref_logps, mask, None)
+    V.check_ipo(p, logps.shape[0])
+    return _sequence_loss(p, logps, ref_logps, mask, None)
+
+
+def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25):
+    """Humanline SimPO (a reference of 0); see :func:`humanline_kernels.reference.simpo`."""
+    p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
+    V.check_logps(logps, logps, mask)
+    V.check_simpo(p, logps.shape[0])
+    return _sequence_loss(p, logps, None, mask, None)
+
+
+def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
+    """Humanline SLiC (a reference of 0); see :func:`humanline_kernels.reference.slic`."""
+    p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef)
+    V.check_logps(logps, logps, mask)
+    V.check_slic(p, logps.shape[0])
+    return _sequence_loss(p, logps, None, mask, None)
+
+
+def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
+        loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
+        ld_alpha=None, discopop_tau=0.05, use_weighting=False, log_sum_sq_probs=None):
+    """Humanline DPO from ``[2P, T]`` log-probs, TRL 1.16's loss types and options too; returns ``(loss,
+    metrics)``. See :func:`humanline_kernels.reference.dpo`."""
+    p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, loss_weights=loss_weights,
+            rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+            ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting)
+    inp = DPOInputs(log_sum_sq_probs)
+    V.check_logps(logps, ref_logps, mask)
+    V.check_dpo(p, logps.shape[0], logps, inp)
+    return _dpo(p, logps, ref_logps, mask, inp)
 
 
 def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
-        clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
-    """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0``."""
-    p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+        clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
+        kl_estimate="halos"):
+    """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0`` (``kl_estimate``:
+    HALOs' or TRL's); ``loss_type="apo_zero_unpaired"`` has none. See :func:`humanline_kernels.reference.kto`."""
+    p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+            loss_type=loss_type, kl_estimate=kl_estimate)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
     V.check_logps(logps, ref_logps, mask)
     V.check_kto(p, logps.shape[0], logps.device, inp)

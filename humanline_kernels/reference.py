@@ -35,7 +35,7 @@ import torch
 from . import _objectives as O
 from . import _validation as V
 from ._clip import DEFAULT_CLIP, HumanlineClip
-from ._params import KTO, KTOInputs, Tokens
+from ._params import DPO, IPO, KTO, DPOInputs, KTOInputs, SimPO, SLiC, Tokens
 
 __all__ = ["token_logprobs", "sequence_logratios", "dpo", "ipo", "simpo", "slic", "kto", "grpo",
            "adaptive_entropy_coef", "vllm_importance_sampling_ratio", "HumanlineClip"]
@@ -120,9 +120,7 @@ def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1):
     without ``beta``).
     """
     V.check_logps(logps, ref_logps, mask)
-    V.check_dpo_rows(logps.shape[0])
-    V.check_clip(clip)
-    V.check_real("beta", beta, low=0.0, low_open=True)
+    V.check_ipo(IPO(clip=clip, beta=beta), logps.shape[0])
     s, _, m = sequence_logratios(logps, ref_logps, mask, clip=clip, normalize=True)
     loss, metrics = O.ipo_from_sums(s, beta=beta)
     return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
@@ -138,10 +136,7 @@ def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25):
     ``config/loss/simpo.yaml`` has ``beta: 10.0``, ``gamma_beta_ratio: 0.3``.
     """
     V.check_logps(logps, logps, mask)
-    V.check_dpo_rows(logps.shape[0])
-    V.check_clip(clip)
-    V.check_real("beta", beta, low=0.0)
-    V.check_real("gamma_beta_ratio", gamma_beta_ratio)
+    V.check_simpo(SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio), logps.shape[0])
     s, _, m = sequence_logratios(logps, None, mask, clip=clip, normalize=True)
     loss, metrics = O.simpo_from_sums(s, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
     return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
@@ -157,10 +152,7 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
     NLL. Rewards in the metrics are ``s`` (HALOs' SLiC rewards).
     """
     V.check_logps(logps, logps, mask)
-    V.check_dpo_rows(logps.shape[0])
-    V.check_clip(clip)
-    V.check_real("beta", beta, low=0.0)
-    V.check_real("lambda_coef", lambda_coef)
+    V.check_slic(SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef), logps.shape[0])
     s, policy_sums, m = sequence_logratios(logps, None, mask, clip=clip)
     loss, metrics = O.slic_from_sums(s, policy_sums, beta=beta, lambda_coef=lambda_coef)
     return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
@@ -215,13 +207,11 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
     accuracy), as TRL logs them (``s`` LD-weighted when ``ld_alpha`` is set).
     """
     V.check_logps(logps, ref_logps, mask)
-    V.check_dpo_rows(logps.shape[0])
-    V.check_clip(clip)
-    V.check_real("beta", beta, low=0.0)
-    loss_types, weights = V.check_dpo_options(
-        logps, clip=clip, beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, loss_weights=loss_weights,
-        rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-        ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, log_sum_sq_probs=log_sum_sq_probs)
+    loss_types, weights = V.check_dpo(
+        DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, loss_weights=loss_weights,
+            rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+            ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting),
+        logps.shape[0], logps, DPOInputs(log_sum_sq_probs))
     clipped, n_inside, n = _clip_counts(logps, ref_logps, mask, clip)
     s = _ld_sum(clipped, mask, ld_alpha)
     aot = aot_ref = wpo = None
@@ -262,9 +252,9 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
     ``w_U sigmoid(beta s_i)``; KL rows are refused. Humanline clamps every ``s`` (the KL rows' too).
     """
     V.check_logps(logps, ref_logps, mask)
-    V.check_kto(KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight),
+    V.check_kto(KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+                    loss_type=loss_type, kl_estimate=kl_estimate),
                 logps.shape[0], logps.device, KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask))
-    V.check_kto_options(loss_type=loss_type, kl_estimate=kl_estimate, has_kl_rows=kl_logps is not None)
     clipped, unclipped_frac = _clipped_log_ratio(logps, ref_logps, mask, clip)
     s = clipped.sum(dim=1)
     with torch.no_grad():

@@ -143,7 +143,7 @@ def _cases():
         y = torch.empty((B, T), dtype=torch.int64, device="meta")
         f = torch.empty((B, T), dtype=torch.float32, device="meta")
         rows = {"grpo": 12 if split else 2 * T, "dpo": 2 * T if split else B * T, "kto": T if split else B * T,
-                "token_logprobs": 12 if split else B * T}[kind]
+                "token_logprobs": 12 if split else B * T, "sequence": 12 if split else B * T}[kind]
         kw = dict(chunk_bytes=rows * V * h.element_size(), validate=False)
         if kind == "grpo":
             hk.fused_linear.grpo(h, w, y, f, torch.empty((B,), device="meta"), beta=0.04, **kw)
@@ -153,6 +153,9 @@ def _cases():
             kl = torch.empty((B, 3), dtype=torch.float32, device="meta")
             hk.fused_linear.kto(h, w, y, f, torch.empty((B,), dtype=torch.bool, device="meta"), kl, kl,
                                 torch.empty((B, 3), dtype=torch.bool, device="meta"), **kw)
+        elif kind == "sequence":
+            s, pol, _ = hk.fused_linear.sequence_logratios(h, w, y, f, clip=clip, **kw)
+            torch.autograd.grad((s.sum(), pol.sum()), (h, w))
         else:
             lp, _ = hk.fused_linear.token_logprobs(h, w, y, return_entropy=True, **kw)
             lp.backward(torch.empty_like(lp))
@@ -164,6 +167,8 @@ def _cases():
         aux = torch.empty((4, *f.shape), dtype=torch.float32, device="meta")
         if kind == "dpo":
             FK.dpo_finalize(f, aux, y, P.DPO())
+        elif kind == "sequence":
+            FK.seq_finalize(f, aux, y, P.Sequence(), f if variant == "weights" else None)
         elif kind == "kto":
             des = torch.empty(adv.shape, dtype=torch.bool, device="meta")
             kl = (f[:, :3], f[:, :3], torch.empty((f.shape[0], 3), dtype=torch.bool, device="meta"))
@@ -173,6 +178,19 @@ def _cases():
             norm = torch.empty((), dtype=torch.float32, device="meta") if variant == "norm_tensor" else None
             FK.grpo_finalize(None if variant == "weights" else f, aux, y, P.GRPO(loss_type="grpo"),
                              P.GRPOInputs(adv, None, norm))
+
+    def sequence(shape_name, dtype, weights):
+        # the sequence-level primitive through its public function: row kernel, sums kernel (with or without token
+        # weights), and the backward with both row weights
+        import humanline_kernels as hk
+        x, y, f, *_ = tensors(shape_name, dtype)
+        x.requires_grad_()
+        tw = torch.empty(f.shape, dtype=torch.float32, device="meta") if weights else None
+        from humanline_kernels import fused as F
+        from humanline_kernels._params import Sequence
+        s, pol, _n, _m = F._Sequences.apply(Sequence(clip=clip), False, x, y, f, tw)
+        torch.autograd.grad((s.sum(), pol.sum()), x)
+        hk.fused.sequence_logratios(x, y, f, clip=None, validate=False)
 
     def scale(shape_name, dtype):
         x, *_ = tensors(shape_name, dtype)
@@ -195,6 +213,9 @@ def _cases():
             cases.append((f"logprobs_bwd inplace={inplace} {dn} aligned", True,
                           lambda dt=dt, i=inplace: bwd("aligned", dt, i)))
         cases.append((f"scale_rows {dn} aligned", True, lambda dt=dt: scale("aligned", dt)))
+        for weights in (False, True):
+            cases.append((f"sequence weights={weights} {dn} aligned", True,
+                          lambda dt=dt, wt=weights: sequence("aligned", dt, wt)))
         for inplace in (False, True):
             cases.append((f"loss_bwd inplace={inplace} {dn} aligned", True,
                           lambda dt=dt, i=inplace: loss_bwd("aligned", dt, i)))
@@ -215,14 +236,14 @@ def _cases():
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
                 cases.append((f"loss_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: loss_bwd(s, dt, False)))
     for dn in ("bf16", "fp32"):
-        for kind, split in itertools.product(("grpo", "dpo", "kto", "token_logprobs"), (False, True)):
+        for kind, split in itertools.product(("grpo", "dpo", "kto", "token_logprobs", "sequence"), (False, True)):
             cases.append((f"fused_linear {kind} split={split} {dn}", True,
                           lambda dt=DTYPES[dn], k=kind, sp=split: linear(k, dt, sp)))
     # the [B, T] tail: one program over small fp32 tensors, not a row-streaming kernel, so no 16-byte load rule
     # (B and T are not specialised: the shapes below only change the pointers' and strides' specialisation)
     for sn in ("aligned", "T=1", "odd T, tiny V"):
         for kind, variant in (("dpo", ""), ("kto", ""), ("kto", "kl_rows"), ("kto", "z0"), ("grpo", ""),
-                              ("grpo", "weights"), ("grpo", "norm_tensor")):
+                              ("grpo", "weights"), ("grpo", "norm_tensor"), ("sequence", ""), ("sequence", "weights")):
             cases.append((f"finalize {kind} {variant} {sn}", False, lambda s=sn, k=kind, v=variant: finalize(s, k, v)))
             if sn == "aligned":
                 cases.append((f"finalize {kind} {variant} {sn} contiguous labels", False,

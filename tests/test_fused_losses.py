@@ -172,10 +172,12 @@ def test_opcheck():
     cases = [
         (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), torch.empty(2, 3), 1 / 0.9, -100, 6, 0, 0)),
         (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), None, 1.0, -100, 6, 0, 0)),
-        (hl.logprobs_bwd_out, (x3, y, lse, g, None, None, torch.empty_like(x3), 1 / 0.9, -100, 6, 0, 0)),
-        (hl.logprobs_bwd_out, (x3, y, lse, g, w, torch.tensor([1.5]), torch.empty_like(x3), 1.0, -100, 6, 0, 0)),
-        (hl.logprobs_bwd_inplace, (x.clone()[:, :-1], y, lse, g, w, torch.tensor([1.5]), None, 1.0, -100, 6, 0,
-                                   0)),
+        (hl.logprobs_bwd_out, (x3, y, lse, g, None, None, None, torch.empty_like(x3), 1 / 0.9, -100, 6, 0, 0)),
+        (hl.logprobs_bwd_out, (x3, y, lse, g, w, None, torch.tensor([1.5]), torch.empty_like(x3), 1.0, -100, 6, 0,
+                               0)),
+        (hl.logprobs_bwd_out, (x3, y, lse, g, w, -w, None, torch.empty_like(x3), 1.0, -100, 6, 0, 0)),
+        (hl.logprobs_bwd_inplace, (x.clone()[:, :-1], y, lse, g, w, None, torch.tensor([1.5]), None, 1.0, -100, 6,
+                                   0, 0)),
         (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor([2.0]))),
         (hl.token_terms_out, (x3, y, ref, None, torch.ones(2), None, None, False, f, f.clone(), f.clone(),
                               aux.clone(), *grpo_scalars)),
@@ -189,6 +191,9 @@ def test_opcheck():
         (hl.grpo_finalize_out, (g, aux, y, None, torch.empty(()), met, torch.empty(2), 1, 0.0, 0, -100)),
         (hl.grpo_finalize_out, (None, None, y, torch.tensor([2.0]), torch.empty(()), met, torch.empty(2), 0, 0.0, 0,
                                 -100)),
+        (hl.seq_finalize_out, (g, aux, y, None, torch.empty(2), torch.empty(2), torch.empty(2), torch.empty(3), -100)),
+        (hl.seq_finalize_out, (g, aux, y, g.abs(), torch.empty(2), torch.empty(2), torch.empty(2), torch.empty(3),
+                               -100)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -113,6 +113,17 @@ def _calls():
                                                               **nv)[0], x, 8, None),
         "fused.dpo": (lambda: hk.fused.dpo(x, y, ref, **nv)[0], x, 8, None),
         "fused.kto": (lambda: hk.fused.kto(x, y, ref, des, *kl_rows, **nv)[0], x, 8, None),
+        # the sequence-level primitive: row kernel, sums kernel, one backward launch (+ the test's cat and sum and
+        # the two sums' gradients made contiguous); an objective on the sums adds small [B] ops, forward, backward and
+        # metrics: the design's 12 is met by none yet, so these are ceilings at today's counts (docs/objectives.md)
+        "fused.sequence_logratios": (lambda: torch.cat(hk.fused.sequence_logratios(x, y, ref, **nv)[:2]).sum(), x,
+                                     8, None),
+        "fused.ipo": (lambda: hk.fused.ipo(x, y, ref, **nv)[0], x, 8 + 12, 23),
+        "fused.dpo(hinge)": (lambda: hk.fused.dpo(x, y, ref, loss_type="hinge", **nv)[0], x, 8 + 12, 23),
+        "fused.dpo(exo_pair)": (lambda: hk.fused.dpo(x, y, ref, loss_type="exo_pair", label_smoothing=0.1, **nv)[0],
+                                x, 8 + 12, 43),
+        "fused.kto(apo_zero_unpaired)": (lambda: hk.fused.kto(x, y, ref, des, loss_type="apo_zero_unpaired",
+                                                              **nv)[0], x, 8 + 12, 43),
         "fused_linear.grpo": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **one_chunk)[0], (h, w), 4 + 5, None),
         # 4 launches a chunk (GEMM, token-terms kernel writing dL/dz in place, dh and dW GEMMs) + 5
         "fused_linear.grpo(4 chunks)": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **four_chunks)[0], (h, w),

@@ -17,6 +17,7 @@ METRICS = {
     "dpo": ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "unclipped_frac"),
     "kto": ("kl", "rewards_desirable", "rewards_undesirable", "unclipped_frac"),
     "grpo": ("unclipped_frac", "kl", "clip_frac_low", "clip_frac_high"),
+    "sequence": ("unclipped_frac", "n_tokens", "n_unclipped"),
 }
 
 

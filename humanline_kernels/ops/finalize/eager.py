@@ -79,3 +79,15 @@ def grpo_finalize(val, aux, labels, p, inp, span=None):
 
 
 FINALIZE = {"dpo": dpo_finalize, "kto": kto_finalize, "grpo": grpo_finalize}
+
+
+def seq_finalize(val, aux, labels, p, token_weights=None):
+    """The sequence-level primitive's per-row sums and metrics, as the kernel."""
+    mask = labels != p.ignore_index
+    v = val if token_weights is None else val * token_weights.to(val.dtype)
+    s = torch.where(mask, v, 0.0).sum(1)
+    pol = torch.where(mask, aux[1], 0.0).sum(1)
+    n = mask.sum(1).to(val.dtype)
+    n_in = torch.where(mask, aux[0], 0.0).sum()
+    met = torch.stack([losses._frac(n_in, n.sum()), n.sum(), n_in])
+    return s, pol, n, met

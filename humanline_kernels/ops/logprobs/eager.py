@@ -72,17 +72,20 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
-                 grad_loss=None, segs=None, chunk_bytes=CHUNK_BYTES):
+                 grad_loss=None, segs=None, row_add=None, chunk_bytes=CHUNK_BYTES):
     """Return ``dlogits`` (dtype of ``logits``); written into ``out`` when given (``out`` may be ``logits``). With
-    ``row_weight [B]`` the per-token gradient is ``row_weight[b] * grad_logp[b, t]``, times ``grad_loss`` (0-d).
+    ``row_weight [B]`` the per-token gradient is ``row_weight[b] * grad_logp[b, t] (+ row_add[b])``, times
+    ``grad_loss`` (0-d).
     ``segs``: ``logits`` and ``out`` are a fused-linear chunk's ``[n, V]`` buffer (:func:`chunk_logprobs_bwd`)."""
     if segs is not None:
         return chunk_logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out, row_weight,
-                                  grad_loss, segs)
+                                  grad_loss, segs, row_add)
     B, T, V = logits.shape
     dt = _acc_dtype(logits)
     if row_weight is not None:
         grad_logp = grad_logp * row_weight.to(grad_logp.dtype).unsqueeze(1)
+    if row_add is not None:  # (a masked token's gradient is 0 below whatever it is here)
+        grad_logp = grad_logp + row_add.to(grad_logp.dtype).unsqueeze(1)
     if grad_loss is not None:
         grad_logp = grad_logp * grad_loss.to(grad_logp.dtype)
     if out is None:
@@ -103,7 +106,8 @@ def chunk_tokens(segs, device):
     return torch.cat([torch.arange(s, e, device=device) for s, e in segs])
 
 
-def chunk_logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out, row_weight, grad_loss, segs):
+def chunk_logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out, row_weight, grad_loss, segs,
+                       row_add=None):
     """:func:`logprobs_bwd` of a fused-linear chunk: ``logits``/``out`` its ``[n, V]`` buffer, the other tensors the
     whole batch's ``[B, T]`` (``row_weight [B]``)."""
     T = labels.shape[1]
@@ -111,6 +115,8 @@ def chunk_logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index
     g = grad_logp.reshape(-1)[idx]
     if row_weight is not None:
         g = g * row_weight.to(g.dtype)[idx // T]
+    if row_add is not None:
+        g = g + row_add.to(g.dtype)[idx // T]
     n, V = logits.shape
     logprobs_bwd(logits.view(1, n, V), labels.reshape(-1)[idx].view(1, n), lse.reshape(-1)[idx].view(1, n),
                  g.view(1, n), temperature, ignore_index, out=out.view(1, n, V), grad_loss=grad_loss)

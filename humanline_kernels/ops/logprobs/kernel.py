@@ -130,13 +130,14 @@ def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr
 
 
 @jit(do_not_specialize=["n0", "off0", "off1"])
-def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, go_ptr, o_ptr, o_sb, o_st, T,
-                         V, inv_t, ignore_index, n0, off0, off1, has_go, BLOCK_V: tl.constexpr,
+def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, w2_ptr, go_ptr, o_ptr, o_sb,
+                         o_st, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go, BLOCK_V: tl.constexpr,
                          ROW_WEIGHT: tl.constexpr):
-    """Logits row ``r``, token ``q`` (:func:`_token`): ``g = g[q]``, or with ``ROW_WEIGHT`` (the fused losses)
-    ``g = go * w[b] * g[q]``: ``g[q]`` the token's ``coef``, ``w[b]`` its row's ``d loss / d val`` and ``go`` the
-    loss's upstream gradient (1 when ``has_go == 0``), all read on the device (the loss backward is this one
-    launch)."""
+    """Logits row ``r``, token ``q`` (:func:`_token`): ``g = g[q]``, or with ``ROW_WEIGHT`` (the fused losses and
+    the sequence sums) ``g = go * (w[b] * g[q] + w2[b])``: ``g[q]`` the token's ``coef``, ``w[b]`` its row's
+    ``d loss / d val``, ``w2[b]`` (when ``has_w2``) its row's ``d loss / d logp`` of a term in the plain log-probs
+    (the policy sums), and ``go`` the loss's upstream gradient (1 when ``has_go == 0``), all read on the device
+    (the backward is this one launch)."""
     r = tl.program_id(0)
     q = _token(r, n0, off0, off1)
     base = _row_base(x_ptr, r, T, x_sb, x_st)
@@ -146,6 +147,8 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w
         g = tl.load(g_ptr + q).to(tl.float32)
         if ROW_WEIGHT:
             g = g * tl.load(w_ptr + q // T)
+            if has_w2 != 0:
+                g = g + tl.load(w2_ptr + q // T)
             if has_go != 0:
                 g = g * tl.load(go_ptr).to(tl.float32)
         _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + q), g, inv_t, BLOCK_V)
@@ -224,8 +227,9 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
     return logp, lse, ent
 
 
-def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optional[Tensor], go: Optional[Tensor],
-                out: Optional[Tensor], inv_t: float, ignore_index: int, n0: int, off0: int, off1: int) -> None:
+def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optional[Tensor], w2: Optional[Tensor],
+                go: Optional[Tensor], out: Optional[Tensor], inv_t: float, ignore_index: int, n0: int, off0: int,
+                off1: int) -> None:
     out = logits if out is None else out  # None: in place
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
@@ -237,12 +241,12 @@ def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optio
         launcher(_logprobs_bwd_kernel, logits)[(rows,)](
             # data
             x_ptr=logits, y_ptr=labels, lse_ptr=lse, g_ptr=g, w_ptr=g if w is None else w,
-            go_ptr=g if go is None else go, o_ptr=out,
+            w2_ptr=g if w2 is None else w2, go_ptr=g if go is None else go, o_ptr=out,
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), o_sb=o_sb, o_st=o_st,
             # sizes, scalars and the chunk's token ranges
             T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
-            has_go=int(go is not None),
+            has_w2=int(w2 is not None), has_go=int(go is not None),
             # constants
             BLOCK_V=block, ROW_WEIGHT=w is not None, num_warps=warps)
 
@@ -254,12 +258,13 @@ _bwd_inplace = custom_op("logprobs_bwd_inplace", mutates_args=("logits",), bumps
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
-                 grad_loss=None, segs=None):
+                 grad_loss=None, segs=None, row_add=None):
     """``dlogits = g * (onehot(y) - softmax(z / T)) / T`` in the logits' dtype, into ``out`` (new, or ``logits``
     itself: then in place, and the logits' version counter is bumped), the Triton twin of
     :func:`.eager.logprobs_bwd`. ``g`` is ``grad_logp``, or with ``row_weight [B]`` (a fused loss's backward)
-    ``grad_loss * row_weight[b] * grad_logp[b, t]`` (``grad_loss`` 0-d, read on the device). ``segs``: ``logits``
-    and ``out`` are a fused-linear chunk's ``[n, V]`` buffer and the other tensors the whole batch's
+    ``grad_loss * (row_weight[b] * grad_logp[b, t] + row_add[b])`` (``grad_loss`` 0-d, read on the device;
+    ``row_add [B]``, with ``row_weight`` only, the gradient of a term in the row's plain log-probs). ``segs``:
+    ``logits`` and ``out`` are a fused-linear chunk's ``[n, V]`` buffer and the other tensors the whole batch's
     (:func:`chunk_rows`)."""
     inv_t = 1.0 / temperature
     ranges = chunk_rows(segs, labels.numel())
@@ -267,11 +272,11 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     g = grad_logp.reshape(labels.shape).contiguous()
     go = None if grad_loss is None else grad_loss.reshape(1)
     if out is logits:
-        _bwd_inplace(logits, labels, lse.contiguous(), g, row_weight, go, None, inv_t, ignore_index, *ranges)
+        _bwd_inplace(logits, labels, lse.contiguous(), g, row_weight, row_add, go, None, inv_t, ignore_index, *ranges)
         return logits
     if out is None:
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _bwd_out(logits, labels, lse.contiguous(), g, row_weight, go, out, inv_t, ignore_index, *ranges)
+    _bwd_out(logits, labels, lse.contiguous(), g, row_weight, row_add, go, out, inv_t, ignore_index, *ranges)
     return out
 
 

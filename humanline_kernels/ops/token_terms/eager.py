@@ -38,6 +38,8 @@ def _terms(logits, labels, ref, p, adv, klref, w_tok, grad_out):
     aux[0] = inside
     if grpo:
         aux[1], aux[2], aux[3] = low, high, k3
+    else:
+        aux[1] = torch.where(mask, logp, 0.0)
     if grad_out is not None:
         logprobs_eager.logprobs_bwd(logits, labels, lse, coef * w_tok.to(coef.dtype), p.temperature,
                                     p.ignore_index, out=grad_out)

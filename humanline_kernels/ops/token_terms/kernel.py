@@ -10,8 +10,8 @@ For each row ``r = (b, t)`` the kernel finds ``lse`` and ``l = z_y - lse`` (onli
   ``coef = m (-A rho [A rho <= A clamp(rho)] [p <= D <= r] + beta (1 - exp(x)))`` (torch's tie rules for
   ``min`` and ``clamp`` give exactly this).
 
-``aux [4, N]`` fp32 (planes ``N`` apart) holds ``[p < D < r]``, the GRPO low/high clip indicators and ``k3``
-(metrics only; 0 for DPO/KTO).
+``aux [4, N]`` fp32 (planes ``N`` apart) holds ``[p < D < r]``, then for GRPO the low/high clip indicators and
+``k3`` (metrics only), for ``MODE == 1`` the masked log-prob ``m * l`` and two zero planes.
 With ``GRAD`` (GRPO) the same program also writes ``dz = w_b * coef * (onehot(y) - softmax(z)) / T`` into
 ``grad``, where ``w_b = d loss / d val`` is the aggregation weight of row ``b``: the row is read once for the
 softmax statistics and once more while the gradient is written (from L2 only while the rows in flight fit in it;
@@ -75,7 +75,8 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
     if MODE == 1:
         val = dh
         coef = tl.where(valid & dpass, 1.0, 0.0)
-        for i in range(1, 4):  # GRPO's planes, zero (the buffer is not zero-filled first: one launch less)
+        tl.store(aux_ptr + plane + q, logp)  # the policy's own log-prob (sequence sums, SFT terms)
+        for i in range(2, 4):  # GRPO's planes, zero (the buffer is not zero-filled first: one launch less)
             tl.store(aux_ptr + i * plane + q, 0.0)
     else:
         a = tl.load(adv_ptr + (q // T) * adv_sb + (q % T) * adv_st).to(tl.float32)
