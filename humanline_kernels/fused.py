@@ -62,23 +62,21 @@ class _TokenLogprobs(torch.autograd.Function):
         LP = _kernels()[0] if kernels else logprobs_eager
         l3, y3 = _as_3d(logits, labels)
         logp, lse, ent = LP.logprobs_fwd(l3, y3, p.temperature, p.ignore_index, return_entropy)
-        ctx.save_for_backward(logits, labels, lse)
+        ctx.save_for_backward(logits, labels, lse, ent)
         ctx.cfg = (p, inplace, LP)
-        if return_entropy:
-            ent = ent.view(labels.shape)
-            ctx.mark_non_differentiable(ent)
-        ctx.set_materialize_grads(False)  # no zero-filled gradient for the entropy
-        return logp.view(labels.shape), ent
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
+        return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        if grad_logp is None:
+    def backward(ctx, grad_logp, grad_ent):
+        if grad_logp is None and grad_ent is None:
             return (None,) * 6
-        logits, labels, lse = ctx.saved_tensors
+        logits, labels, lse, ent = ctx.saved_tensors
         p, inplace, LP = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
-        d = LP.logprobs_bwd(l3, y3, lse, grad_logp.reshape(y3.shape), p.temperature, p.ignore_index,
-                            out=l3 if inplace else None)
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y3.shape)
+        d = LP.logprobs_bwd(l3, y3, lse, g, p.temperature, p.ignore_index, out=l3 if inplace else None,
+                            grad_entropy=grad_ent, entropy=ent)
         if inplace and LP is logprobs_eager:  # (the kernel's launcher bumps it itself)
             torch.autograd.graph.increment_version(logits)
         # in place, ``d`` is ``l3``: a view of ``logits``, or a copy when ``[..., T, V]`` could not be flattened
@@ -91,7 +89,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     """Per-token ``log_softmax(logits / temperature)[labels]`` in fp32, shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``logits``. With ``return_entropy=True`` returns ``(logps, entropy)``, the
-    entropy detached. ``inplace_backward=True`` (opt-in) writes the gradient into ``logits``' own storage: the
+    entropy of ``softmax(logits / temperature)`` (0 where ignored), differentiable too (``dH/dz = -p (log p + H)``:
+    an entropy bonus trains through it, as with TRL's head). ``inplace_backward=True`` (opt-in) writes the gradient into ``logits``' own storage: the
     logits must not be used afterwards (their version counter is bumped). ``validate=False`` skips the label
     range check, the only check that synchronises with the device.
     """

@@ -107,24 +107,26 @@ class _LinearLogprobs(torch.autograd.Function):
         for segs in chunks:
             z = LC.chunk_logits(buf, h2, wt, bias, segs)
             LP.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent), segs=segs)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.cfg = (p, chunks, LP)
-        if ent is not None:
-            ent = ent.view(labels.shape)
-            ctx.mark_non_differentiable(ent)
-        return logp.view(labels.shape), ent
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
+        return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_ent):
+        if grad_logp is None and grad_ent is None:
+            return (None,) * 8
+        hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
         p, chunks, LP = ctx.cfg
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)
         dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7])
-        g = grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
+        gh = None if grad_ent is None else grad_ent.reshape(y.shape)
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
         for i, segs in enumerate(chunks):
             z = LC.chunk_logits(buf, h2, wt, bias, segs)  # recomputed: dL/dz is formed in place of the logits
-            LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=segs)
+            LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=segs, grad_entropy=gh,
+                            entropy=ent)
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
         dh = None if dh is None else dh.view(hidden.shape)
         dw = None if dw is None else dw.to(weight.dtype)
@@ -137,7 +139,8 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     """fp32 ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``hidden``, ``weight`` and ``bias`` (the backward recomputes the lm_head GEMM
-    chunk by chunk). With ``return_entropy=True`` returns ``(logps, entropy)``, the entropy detached. Under
+    chunk by chunk). With ``return_entropy=True`` returns ``(logps, entropy)``, the entropy differentiable too
+    (an entropy bonus trains through it, as with TRL's head). Under
     ``torch.no_grad()`` (or when nothing requires grad) nothing is saved. ``chunk_bytes`` bounds the logits
     buffer; ``validate=False`` skips the label range check (the only host sync).
     """

@@ -122,9 +122,10 @@ def _cases():
         x, y, *_ = tensors(shape_name, dtype)
         LPK.logprobs_fwd(x, y, 0.7, -100, entropy)
 
-    def bwd(shape_name, dtype, inplace):
+    def bwd(shape_name, dtype, inplace, entropy=False):
         x, y, f, *_ = tensors(shape_name, dtype)
-        LPK.logprobs_bwd(x, y, f, f, 0.7, -100, out=x if inplace else None)
+        LPK.logprobs_bwd(x, y, f, f, 0.7, -100, out=x if inplace else None, grad_entropy=f if entropy else None,
+                         entropy=f if entropy else None)
 
     def loss_bwd(shape_name, dtype, inplace):
         x, y, f, adv, _ = tensors(shape_name, dtype)
@@ -157,8 +158,8 @@ def _cases():
             s, pol, _ = hk.fused_linear.sequence_logratios(h, w, y, f, clip=clip, **kw)
             torch.autograd.grad((s.sum(), pol.sum()), (h, w))
         else:
-            lp, _ = hk.fused_linear.token_logprobs(h, w, y, return_entropy=True, **kw)
-            lp.backward(torch.empty_like(lp))
+            lp, ent = hk.fused_linear.token_logprobs(h, w, y, return_entropy=True, **kw)
+            torch.autograd.grad((lp, ent), (h, w), (torch.empty_like(lp), torch.empty_like(ent)))
 
     def finalize(shape_name, kind, variant, labels_view=True):
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
@@ -209,9 +210,9 @@ def _cases():
                       lambda dt=dt: terms("aligned", dt, 2, True, False, "new", True)))
         for ent in (False, True):
             cases.append((f"logprobs_fwd entropy={ent} {dn} aligned", True, lambda dt=dt, e=ent: fwd("aligned", dt, e)))
-        for inplace in (False, True):
-            cases.append((f"logprobs_bwd inplace={inplace} {dn} aligned", True,
-                          lambda dt=dt, i=inplace: bwd("aligned", dt, i)))
+        for inplace, entropy in itertools.product((False, True), (False, True)):
+            cases.append((f"logprobs_bwd inplace={inplace} entropy={entropy} {dn} aligned", True,
+                          lambda dt=dt, i=inplace, e=entropy: bwd("aligned", dt, i, e)))
         cases.append((f"scale_rows {dn} aligned", True, lambda dt=dt: scale("aligned", dt)))
         for weights in (False, True):
             cases.append((f"sequence weights={weights} {dn} aligned", True,

@@ -200,13 +200,15 @@ def test_token_logprobs(path, dtype):
                                              chunk_bytes=4 * 53 * w.element_size())
     rlp, rent = R.token_logprobs(_logits(hh, w, b), yy, temperature=0.7, return_entropy=True)
     vtol, gtol = _tols(dtype)
-    assert lp.dtype == torch.float32 and lp.shape == yy.shape and not ent.requires_grad
+    assert lp.dtype == torch.float32 and lp.shape == yy.shape and ent.requires_grad
     torch.testing.assert_close(lp, rlp, atol=vtol, rtol=vtol)
     torch.testing.assert_close(ent, rent, atol=vtol, rtol=vtol)
     assert bool((lp[yy == -100] == 0).all())
-    go = torch.randn(yy.shape, generator=g)
-    got = torch.autograd.grad((lp * go).sum(), (h, w, b))
-    want = torch.autograd.grad((rlp * go).sum(), (h, w, b))
+    go, ge = torch.randn(yy.shape, generator=g), torch.randn(yy.shape, generator=g)
+    got = torch.autograd.grad((lp * go).sum() + (ent * ge).sum(), (h, w, b))
+    z = _logits(hh, w, b).float() / 0.7  # the entropy through autograd, as an entropy bonus would train
+    rent_grad = torch.where(yy != -100, torch.special.entr(torch.softmax(z, -1)).sum(-1), 0.0)
+    want = torch.autograd.grad((rlp * go).sum() + (rent_grad * ge).sum(), (h, w, b))
     for a, c in zip(got, want):
         assert _rel(a, c) <= gtol
 

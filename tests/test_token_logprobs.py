@@ -24,21 +24,29 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
+def _entropy(x, y, temperature):
+    """The entropy of softmax(x / T) per token, differentiable (0 where ignored)."""
+    h = torch.special.entr(torch.softmax(x / temperature, -1)).sum(-1)
+    return torch.where(y != -100, h, 0.0)
+
+
 def _check(x, y, temperature=1.0, entropy=True, inplace=False):
-    """Forward, entropy and gradient of hk.token_logprobs vs the fp32 reference."""
+    """Forward, entropy and gradient (through the log-probs and the entropy) of hk.token_logprobs vs the fp32
+    reference."""
     atol = TOL[x.dtype][0]
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    g, ge = torch.randn(y.shape, generator=gen), torch.randn(y.shape, generator=gen)
     xr = x.detach().float().requires_grad_()
     lr, er = hk.reference.token_logprobs(xr, y, temperature=temperature, return_entropy=True)
-    (lr * g).sum().backward()
+    ((lr * g).sum() + (_entropy(xr, y, temperature) * ge).sum()).backward()
     leaf = x.detach().clone().requires_grad_()
     xk = leaf * 1 if inplace else leaf  # in-place backward needs a non-leaf buffer it may overwrite
     lk, ek = hk.token_logprobs(xk, y, temperature=temperature, return_entropy=True, inplace_backward=inplace)
     assert lk.dtype == torch.float32 and lk.shape == y.shape
     torch.testing.assert_close(lk, lr.detach(), atol=atol, rtol=0)
     torch.testing.assert_close(ek, er, atol=atol * 4, rtol=0)
-    assert not ek.requires_grad
-    (lk * g).sum().backward()
+    assert ek.requires_grad  # an entropy bonus trains through it
+    ((lk * g).sum() + (ek * ge).sum()).backward()
     assert _rel(leaf.grad, xr.grad) < 1e-2 if x.dtype != torch.float32 else _rel(leaf.grad, xr.grad) < 1e-5
     assert (leaf.grad[y == -100] == 0).all()
 

@@ -72,14 +72,14 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
-                 grad_loss=None, segs=None, row_add=None, chunk_bytes=CHUNK_BYTES):
+                 grad_loss=None, segs=None, row_add=None, grad_entropy=None, entropy=None, chunk_bytes=CHUNK_BYTES):
     """Return ``dlogits`` (dtype of ``logits``); written into ``out`` when given (``out`` may be ``logits``). With
     ``row_weight [B]`` the per-token gradient is ``row_weight[b] * grad_logp[b, t] (+ row_add[b])``, times
-    ``grad_loss`` (0-d).
+    ``grad_loss`` (0-d). ``grad_entropy`` (with the forward's ``entropy``) adds ``-grad_entropy p (log p + H) / T``.
     ``segs``: ``logits`` and ``out`` are a fused-linear chunk's ``[n, V]`` buffer (:func:`chunk_logprobs_bwd`)."""
     if segs is not None:
         return chunk_logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out, row_weight,
-                                  grad_loss, segs, row_add)
+                                  grad_loss, segs, row_add, grad_entropy, entropy)
     B, T, V = logits.shape
     dt = _acc_dtype(logits)
     if row_weight is not None:
@@ -95,8 +95,14 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
         lab = labels[b0:b1, t0:t1]
         valid = lab != ignore_index
         g = torch.where(valid, grad_logp[b0:b1, t0:t1].to(dt), 0.0)
-        d = torch.exp(z - lse[b0:b1, t0:t1].unsqueeze(-1).to(dt)) * (-g).unsqueeze(-1)
+        logq = z - lse[b0:b1, t0:t1].unsqueeze(-1).to(dt)
+        p = torch.exp(logq)
+        d = p * (-g).unsqueeze(-1)
         d.scatter_add_(-1, torch.where(valid, lab, 0).unsqueeze(-1), g.unsqueeze(-1))
+        if grad_entropy is not None:  # dH/dz = -p (log p + H); p == 0 (z == -inf) adds 0, not NaN
+            gh = torch.where(valid, grad_entropy[b0:b1, t0:t1].to(dt), 0.0).unsqueeze(-1)
+            h = entropy[b0:b1, t0:t1].to(dt).unsqueeze(-1)
+            d = d - gh * p * (torch.where(p > 0, logq, 0.0) + h)
         out[b0:b1, t0:t1] = d / temperature
     return out
 
@@ -107,7 +113,7 @@ def chunk_tokens(segs, device):
 
 
 def chunk_logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out, row_weight, grad_loss, segs,
-                       row_add=None):
+                       row_add=None, grad_entropy=None, entropy=None):
     """:func:`logprobs_bwd` of a fused-linear chunk: ``logits``/``out`` its ``[n, V]`` buffer, the other tensors the
     whole batch's ``[B, T]`` (``row_weight [B]``)."""
     T = labels.shape[1]
@@ -118,6 +124,9 @@ def chunk_logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index
     if row_add is not None:
         g = g + row_add.to(g.dtype)[idx // T]
     n, V = logits.shape
-    logprobs_bwd(logits.view(1, n, V), labels.reshape(-1)[idx].view(1, n), lse.reshape(-1)[idx].view(1, n),
-                 g.view(1, n), temperature, ignore_index, out=out.view(1, n, V), grad_loss=grad_loss)
+
+    def pick(t):
+        return None if t is None else t.reshape(-1)[idx].view(1, n)
+    logprobs_bwd(logits.view(1, n, V), pick(labels), pick(lse), g.view(1, n), temperature, ignore_index,
+                 out=out.view(1, n, V), grad_loss=grad_loss, grad_entropy=pick(grad_entropy), entropy=pick(entropy))
     return out

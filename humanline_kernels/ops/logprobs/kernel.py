@@ -83,6 +83,23 @@ def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr):
 
 
 @jit
+def _row_grad_store_entropy(base, out_base, V, y, lse, g, gh, h, inv_t, BLOCK_V: tl.constexpr):
+    """:func:`_row_grad_store` plus the entropy's gradient: ``(g (onehot(y) - p) - gh p (log p + h)) * inv_t`` with
+    ``h`` the row's entropy and ``gh`` its upstream gradient (``dH/dz = -p (log p + H)``; 0 where ``p`` is 0)."""
+    cols = tl.arange(0, BLOCK_V)
+    gs = g * inv_t
+    ghs = gh * inv_t
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32) * inv_t
+        logp = z - lse
+        p = tl.exp(logp)
+        # p == 0 (z == -inf) adds 0: log p is replaced before the product, so no 0 * -inf is formed
+        dz = gs * (tl.where(c == y, 1.0, 0.0) - p) - ghs * p * (tl.where(p > 0, logp, 0.0) + h)
+        tl.store(out_base + c, dz.to(out_base.dtype.element_ty), mask=c < V)
+
+
+@jit
 def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
@@ -130,14 +147,15 @@ def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr
 
 
 @jit(do_not_specialize=["n0", "off0", "off1"])
-def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, w2_ptr, go_ptr, o_ptr, o_sb,
-                         o_st, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go, BLOCK_V: tl.constexpr,
-                         ROW_WEIGHT: tl.constexpr):
+def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, w2_ptr, go_ptr, gh_ptr, h_ptr,
+                         o_ptr, o_sb, o_st, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go,
+                         BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr):
     """Logits row ``r``, token ``q`` (:func:`_token`): ``g = g[q]``, or with ``ROW_WEIGHT`` (the fused losses and
     the sequence sums) ``g = go * (w[b] * g[q] + w2[b])``: ``g[q]`` the token's ``coef``, ``w[b]`` its row's
     ``d loss / d val``, ``w2[b]`` (when ``has_w2``) its row's ``d loss / d logp`` of a term in the plain log-probs
     (the policy sums), and ``go`` the loss's upstream gradient (1 when ``has_go == 0``), all read on the device
-    (the backward is this one launch)."""
+    (the backward is this one launch). With ``ENTROPY`` the token's entropy ``h[q]`` has the upstream gradient
+    ``gh[q]`` too (a differentiable entropy: the entropy bonus of GRPO)."""
     r = tl.program_id(0)
     q = _token(r, n0, off0, off1)
     base = _row_base(x_ptr, r, T, x_sb, x_st)
@@ -151,7 +169,11 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w
                 g = g + tl.load(w2_ptr + q // T)
             if has_go != 0:
                 g = g * tl.load(go_ptr).to(tl.float32)
-        _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + q), g, inv_t, BLOCK_V)
+        if ENTROPY:
+            _row_grad_store_entropy(base, out_base, V, y, tl.load(lse_ptr + q), g, tl.load(gh_ptr + q),
+                                    tl.load(h_ptr + q), inv_t, BLOCK_V)
+        else:
+            _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + q), g, inv_t, BLOCK_V)
     else:
         _row_zero(out_base, V, BLOCK_V)
 
@@ -228,8 +250,8 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
 
 
 def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optional[Tensor], w2: Optional[Tensor],
-                go: Optional[Tensor], out: Optional[Tensor], inv_t: float, ignore_index: int, n0: int, off0: int,
-                off1: int) -> None:
+                go: Optional[Tensor], gh: Optional[Tensor], h: Optional[Tensor], out: Optional[Tensor], inv_t: float,
+                ignore_index: int, n0: int, off0: int, off1: int) -> None:
     out = logits if out is None else out  # None: in place
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
@@ -241,14 +263,15 @@ def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optio
         launcher(_logprobs_bwd_kernel, logits)[(rows,)](
             # data
             x_ptr=logits, y_ptr=labels, lse_ptr=lse, g_ptr=g, w_ptr=g if w is None else w,
-            w2_ptr=g if w2 is None else w2, go_ptr=g if go is None else go, o_ptr=out,
+            w2_ptr=g if w2 is None else w2, go_ptr=g if go is None else go, gh_ptr=g if gh is None else gh,
+            h_ptr=g if h is None else h, o_ptr=out,
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), o_sb=o_sb, o_st=o_st,
             # sizes, scalars and the chunk's token ranges
             T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
             has_w2=int(w2 is not None), has_go=int(go is not None),
             # constants
-            BLOCK_V=block, ROW_WEIGHT=w is not None, num_warps=warps)
+            BLOCK_V=block, ROW_WEIGHT=w is not None, ENTROPY=gh is not None, num_warps=warps)
 
 
 # one launcher, two ops: into a new buffer, or over the logits (out=None; a mutated argument of an op may not alias
@@ -258,25 +281,31 @@ _bwd_inplace = custom_op("logprobs_bwd_inplace", mutates_args=("logits",), bumps
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
-                 grad_loss=None, segs=None, row_add=None):
+                 grad_loss=None, segs=None, row_add=None, grad_entropy=None, entropy=None):
     """``dlogits = g * (onehot(y) - softmax(z / T)) / T`` in the logits' dtype, into ``out`` (new, or ``logits``
     itself: then in place, and the logits' version counter is bumped), the Triton twin of
     :func:`.eager.logprobs_bwd`. ``g`` is ``grad_logp``, or with ``row_weight [B]`` (a fused loss's backward)
     ``grad_loss * (row_weight[b] * grad_logp[b, t] + row_add[b])`` (``grad_loss`` 0-d, read on the device;
     ``row_add [B]``, with ``row_weight`` only, the gradient of a term in the row's plain log-probs). ``segs``:
     ``logits`` and ``out`` are a fused-linear chunk's ``[n, V]`` buffer and the other tensors the whole batch's
-    (:func:`chunk_rows`)."""
+    (:func:`chunk_rows`). ``grad_entropy`` (with the forward's ``entropy``, both shaped like ``labels``) adds the
+    entropy's gradient ``-grad_entropy * p (log p + H) / T``."""
     inv_t = 1.0 / temperature
     ranges = chunk_rows(segs, labels.numel())
     # the kernel reads g, lse (and w) at flat token indices: autograd may hand an expanded (stride 0) gradient
     g = grad_logp.reshape(labels.shape).contiguous()
     go = None if grad_loss is None else grad_loss.reshape(1)
+    gh = h = None
+    if grad_entropy is not None:
+        gh = grad_entropy.reshape(labels.shape).to(torch.float32).contiguous()
+        h = entropy.reshape(labels.shape).contiguous()
+    args = (logits, labels, lse.contiguous(), g, row_weight, row_add, go, gh, h)
     if out is logits:
-        _bwd_inplace(logits, labels, lse.contiguous(), g, row_weight, row_add, go, None, inv_t, ignore_index, *ranges)
+        _bwd_inplace(*args, None, inv_t, ignore_index, *ranges)
         return logits
     if out is None:
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _bwd_out(logits, labels, lse.contiguous(), g, row_weight, row_add, go, out, inv_t, ignore_index, *ranges)
+    _bwd_out(*args, out, inv_t, ignore_index, *ranges)
     return out
 
 
