@@ -24,8 +24,8 @@ from trl.trainer import dpo_trainer as _dpo_module
 
 from ... import _validation as V
 from ... import losses
-from ..._objectives import ld_weights
 from ..._params import DPO
+from ...losses import _weighted_sum
 from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common, _refuse
 from .config import HumanlineDPOConfig, hk_settings
 
@@ -98,12 +98,6 @@ def _mixture_groups(p, types, weights):
     return tuple(out)
 
 
-def _masked_sum(x, mask, weights):
-    """``sum_t m w x`` per row (``w`` LD-DPO's token weights, else 1)."""
-    x = torch.where(mask, x, 0.0)
-    return (x if weights is None else x * weights).sum(dim=1)
-
-
 class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
     """``trl.DPOTrainer`` with humanline clipping and syncing: every TRL 1.16 ``loss_type`` (mixtures with
     ``loss_weights``), ``f_divergence_type``, ``ld_alpha``, ``discopop_tau``, ``label_smoothing`` where TRL reads it,
@@ -157,22 +151,15 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
         """``(loss, StepStats)`` of ``[2P, T]`` log-probs: one pass over the tokens gives the rows that the loss and
         the logs read (``StepStats.policy``: the policy's sums as TRL logs them, LD-weighted with ``ld_alpha``)."""
         o = self.hk_objective
-        tw = None if o.ld_alpha is None else ld_weights(mask, o.ld_alpha, logps.dtype)
-        rows, metrics = losses.sequence_rows(logps, ref_logps, mask, self.hk_clip, tw)
-        if o.aot:  # (no clip: refused) the policy's and the reference's own sums, which "aot" sorts apart
-            rows = rows._replace(aot_policy=_masked_sum(logps, mask, tw),
-                                 aot_reference=_masked_sum(ref_logps, mask, tw))
-        if o.wpo:  # WPO's detached pair weights: exp of the mean over the tokens of log p - log sum_v p_v^2
-            with torch.no_grad():
-                mean = _masked_sum(logps - log_sum_sq_probs, mask, None) / rows.counts.clamp(min=1)
-                rows = rows._replace(wpo=torch.exp(mean))
+        rows, metrics, tw = losses.dpo_rows(logps, ref_logps, mask, self.hk_clip, ld_alpha=o.ld_alpha, aot=o.aot,
+                                            log_sum_sq_probs=log_sum_sq_probs if o.wpo else None)
         loss = None
         for g in o.groups:
             r = rows._replace(counts=completion_mask.sum(dim=1).to(rows.counts.dtype)) if g.unshifted else rows
             term, _ = losses.from_rows(g.params, r, metrics, mixture=(g.types, g.weights))
             loss = term if loss is None else loss + term
         with torch.no_grad():
-            policy = rows.policy if tw is None else _masked_sum(logps, mask, tw)
+            policy = rows.policy if tw is None else rows.aot_policy if o.aot else _weighted_sum(logps, mask, tw)
         return loss, StepStats(rows.s.detach(), policy.detach(), metrics["n_unclipped"], metrics["n_tokens"])
 
     def _hk_log_dpo(self, mode, out, stats, mask, attention_mask):
