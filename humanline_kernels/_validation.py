@@ -87,7 +87,8 @@ def check_dpo(p, B, like, inp=None):
     ``(loss_types, weights)``."""
     _check_loss(p)
     check_dpo_rows(B)
-    if p.fast:  # DPO / cDPO with TRL's other options at their defaults: nothing more to check
+    if (p.fast and p.f_alpha_divergence_coef == 0.5 and p.discopop_tau == 0.05
+            and (inp is None or inp.log_sum_sq_probs is None)):  # DPO / cDPO, every other option at its default
         check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
         return ["sigmoid"], [1.0]
     return check_dpo_options(

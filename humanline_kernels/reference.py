@@ -44,7 +44,8 @@ __all__ = ["token_logprobs", "sequence_logratios", "dpo", "ipo", "simpo", "slic"
 def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False, validate=True):
     """fp32 ``log_softmax(logits / temperature)[label]`` shaped like ``labels``; 0 where ``labels == ignore_index``.
 
-    With ``return_entropy`` also returns the (detached) entropy of ``softmax(logits / temperature)``, 0 where ignored.
+    With ``return_entropy`` also returns the entropy of ``softmax(logits / temperature)``, 0 where ignored,
+    differentiable (``dH/dz = -p (log p + H) / temperature``: an entropy bonus trains through it).
     """
     V.check_logits(logits, labels, Tokens(temperature=temperature, ignore_index=ignore_index), validate)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -54,10 +55,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     logps = torch.where(mask, picked, 0.0)
     if not return_entropy:
         return logps
-    with torch.no_grad():
-        entropy = torch.special.entr(logp_all.exp()).sum(-1)
-        entropy = torch.where(mask, entropy, 0.0)
-    return logps, entropy
+    p = logp_all.exp()
+    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)  # (p = 0 adds 0: no 0 * -inf, in value or gradient)
+    return logps, torch.where(mask, entropy, 0.0)
 
 
 def _masked_ratio(num, den):

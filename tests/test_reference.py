@@ -281,11 +281,11 @@ def test_token_logprobs_eager_matches_reference(monkeypatch, dtype, temperature)
     assert got.dtype == torch.float32 and got.shape == labels.shape
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
-    assert not ent.requires_grad
+    assert ent.requires_grad  # differentiable, as the reference's (an entropy bonus trains through it)
     assert (got[labels == -100] == 0).all()
-    g = torch.randn(3, 5)
-    (ref * g).sum().backward()
-    (got * g).sum().backward()
+    g, gh = torch.randn(3, 5), torch.randn(3, 5)
+    (ref * g + ref_ent * gh).sum().backward()
+    (got * g + ent * gh).sum().backward()
     torch.testing.assert_close(x2.grad.float(), x1.grad.float(), rtol=1e-2,
                                atol=1e-2 if dtype != torch.float32 else 1e-6)
 
