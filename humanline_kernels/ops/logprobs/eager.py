@@ -91,24 +91,32 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     if out is None:
         out = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
     for b0, b1, t0, t1 in _chunks(B, T, V, chunk_bytes):
-        z = logits[b0:b1, t0:t1].to(dt) / temperature
         lab = labels[b0:b1, t0:t1]
         valid = lab != ignore_index
         g = torch.where(valid, grad_logp[b0:b1, t0:t1].to(dt), 0.0)
-        logq = z - lse[b0:b1, t0:t1].unsqueeze(-1).to(dt)
+        # log p in place of the upcast logits, p, then d in place of p: two chunk-sized temporaries (three with the
+        # entropy's gradient), as tests/test_fused_linear_memory.py checks
+        logq = (logits[b0:b1, t0:t1].to(dt) / temperature).sub_(lse[b0:b1, t0:t1].unsqueeze(-1).to(dt))
         p = torch.exp(logq)
-        d = p * (-g).unsqueeze(-1)
+        if grad_entropy is None:
+            del logq
+            d = p.mul_((-g).unsqueeze(-1))
+        else:
+            d = p * (-g).unsqueeze(-1)
         d.scatter_add_(-1, torch.where(valid, lab, 0).unsqueeze(-1), g.unsqueeze(-1))
         if grad_entropy is not None:  # dH/dz = -p (log p + H); p == 0 (z == -inf) adds 0, not NaN
             gh = torch.where(valid, grad_entropy[b0:b1, t0:t1].to(dt), 0.0).unsqueeze(-1)
             h = entropy[b0:b1, t0:t1].to(dt).unsqueeze(-1)
-            d = d - gh * p * (torch.where(p > 0, logq, 0.0) + h)
-        out[b0:b1, t0:t1] = d / temperature
+            d = d.sub_(gh * p * (torch.where(p > 0, logq, 0.0) + h))
+        out[b0:b1, t0:t1] = d.div_(temperature)
     return out
 
 
 def chunk_tokens(segs, device):
-    """Flat token indices of a fused-linear chunk's token ranges ``((s0, e0), ...)``: its ``[n, V]`` buffer's rows."""
+    """Flat token indices of a fused-linear chunk's ``[n, V]`` buffer's rows: its token ranges ``((s0, e0), ...)``,
+    or a token map (an int64 tensor, returned as it is)."""
+    if isinstance(segs, torch.Tensor):
+        return segs
     return torch.cat([torch.arange(s, e, device=device) for s, e in segs])
 
 
