@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from . import fused, losses, reference
 from ._clip import HumanlineClip
+from ._layout import Packed
 from .fused import token_logprobs
 
 __version__ = "0.1.0"
-__all__ = ["HumanlineClip", "token_logprobs", "reference", "losses", "fused", "fused_linear", "ReferenceSyncer",
-           "LookaheadReference", "reference_adapter", "integrations", "__version__"]
+__all__ = ["HumanlineClip", "Packed", "token_logprobs", "reference", "losses", "fused", "fused_linear",
+           "ReferenceSyncer", "LookaheadReference", "reference_adapter", "integrations", "__version__"]
 
 
 def __getattr__(name):

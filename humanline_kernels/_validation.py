@@ -255,6 +255,37 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
         check_label_range(labels, weight.shape[0], p.ignore_index)
 
 
+def check_packed(name, x, labels, ref_logps, packed):
+    """A packed batch (:class:`~humanline_kernels.Packed`): ``x`` (``logits``, ``hidden`` or ``logps``) is
+    ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]`` (``labels`` is checked against
+    ``x`` by the level's own check; ``ref_logps`` shaped like it)."""
+    from ._layout import Packed
+    if not isinstance(packed, Packed):
+        raise ValueError(f"packed must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
+                         f"{type(packed).__name__}")
+    per_token = name == "logps"
+    if not isinstance(x, torch.Tensor) or x.dim() not in ((1, 2) if per_token else (2, 3)) or (
+            x.dim() == (2 if per_token else 3) and x.shape[0] != 1):
+        want = "[N] or [1, N]" if per_token else "[N, V] or [1, N, V]" if name == "logits" else "[N, D] or [1, N, D]"
+        raise ValueError(f"{name} must have shape {want} for a packed batch, got {_shape(x)}")
+    if ref_logps is not None:
+        check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+
+
+def check_supervised(labels, covered, ignore_index):
+    """No label outside the ``supervised`` ranges: ``covered`` (the labels at the ranges' positions) holds every
+    label of ``labels`` that is not ``ignore_index``. A device-side assert, as :func:`check_label_range`."""
+    msg = "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)"
+    ok = (labels != ignore_index).sum() == (covered != ignore_index).sum()
+    if labels.device.type != "cpu":
+        torch._assert_async(ok, msg)
+        return
+    try:
+        torch._assert_async(ok, msg)
+    except RuntimeError:
+        raise ValueError(msg) from None
+
+
 def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
     """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` shaped like ``labels``, fp32/64 (None
     passes: a reference of 0)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _layout as L
 from . import _objectives as O
 from . import _validation as V
 from . import losses, ops
@@ -115,12 +116,12 @@ class _FusedLoss(torch.autograd.Function):
     :attr:`~humanline_kernels._params.Loss.Inputs`, flattened."""
 
     @staticmethod
-    def forward(ctx, p, inplace, logits, labels, ref, *inputs):
+    def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
         LP, TT, FIN = _kernels()
         inp = p.Inputs(*inputs)
-        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp)
+        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp, segs=tokens)
         loss, met, w = FIN.FINALIZE[p.name](val, aux, labels, p, inp)
-        ctx.save_for_backward(logits, labels, lse, coef, w)
+        ctx.save_for_backward(logits, labels, lse, coef, w, tokens)
         ctx.cfg = (p, inplace, len(inputs))
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for the metrics
@@ -130,11 +131,12 @@ class _FusedLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_met):
         p, inplace, n = ctx.cfg
         if grad_loss is None:
-            return (None,) * (5 + n)
-        logits, labels, lse, coef, w = ctx.saved_tensors
+            return (None,) * (6 + n)
+        logits, labels, lse, coef, w, tokens = ctx.saved_tensors
         d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                       out=logits if inplace else None, row_weight=w, grad_loss=grad_loss)
-        return (None, None, d) + (None,) * (2 + n)
+                                       out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
+                                       segs=tokens)
+        return (None, None, None, d) + (None,) * (2 + n)
 
 
 class _GrpoGradInForward(torch.autograd.Function):
@@ -142,12 +144,13 @@ class _GrpoGradInForward(torch.autograd.Function):
     The row weights come first, from the labels (the finalize kernel without terms); the loss and metrics after."""
 
     @staticmethod
-    def forward(ctx, p, inplace, logits, labels, ref, *inputs):
+    def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
         _, TT, FIN = _kernels()
         inp = p.Inputs(*inputs)
         w = FIN.grpo_finalize(None, None, labels, p, inp)[2]
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad)
+        val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
+                                               segs=tokens)
         loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
         ctx.save_for_backward(grad)
         ctx.n = len(inputs)
@@ -158,11 +161,11 @@ class _GrpoGradInForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_met):
         if grad_loss is None:
-            return (None,) * (5 + ctx.n)
+            return (None,) * (6 + ctx.n)
         (grad,) = ctx.saved_tensors
         # a device-side no-op when grad_loss == 1 (the usual case; no host sync to find out)
-        _kernels()[0].scale_rows_(grad, grad_loss.to(torch.float32))
-        return (None, None, grad) + (None,) * (2 + ctx.n)
+        _kernels()[0].scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
+        return (None, None, None, grad) + (None,) * (2 + ctx.n)
 
 
 class _Sequences(torch.autograd.Function):
@@ -172,13 +175,13 @@ class _Sequences(torch.autograd.Function):
     softmax backward."""
 
     @staticmethod
-    def forward(ctx, p, inplace, logits, labels, ref, token_weights):
+    def forward(ctx, p, inplace, tokens, logits, labels, ref, token_weights):
         _, TT, FIN = _kernels()
-        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p)
+        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, segs=tokens)
         s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
-        ctx.save_for_backward(logits, labels, lse, coef)
+        ctx.save_for_backward(logits, labels, lse, coef, tokens)
         ctx.cfg = (p, inplace)
         ctx.mark_non_differentiable(n, met)
         ctx.set_materialize_grads(False)
@@ -187,22 +190,22 @@ class _Sequences(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_s, grad_pol, _grad_n, _grad_met):
         if grad_s is None and grad_pol is None:
-            return (None,) * 6
-        logits, labels, lse, coef = ctx.saved_tensors
+            return (None,) * 7
+        logits, labels, lse, coef, tokens = ctx.saved_tensors
         p, inplace = ctx.cfg
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.contiguous()  # autograd may expand a [B] 1
         add = None if grad_pol is None else grad_pol.contiguous()
         d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                       out=logits if inplace else None, row_weight=w, row_add=add)
-        return None, None, d, None, None, None
+                                       out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
+        return None, None, None, d, None, None, None
 
 
-def _kernel_rows(p, logits, labels, ref_logps, inplace, token_weights=None):
+def _kernel_rows(p, logits, labels, ref_logps, inplace, token_weights=None, tokens=None):
     """``(Rows, metrics)`` of the sequence-level primitive on the kernel path (``ref_logps=None``: a reference of
-    0)."""
+    0; ``tokens``: a packed batch's token map)."""
     if ref_logps is None:
         ref_logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-    s, pol, n, met = _Sequences.apply(p, bool(inplace), logits, labels, ref_logps, token_weights)
+    s, pol, n, met = _Sequences.apply(p, bool(inplace), tokens, logits, labels, ref_logps, token_weights)
     return O.Rows(s, pol, n), named_metrics("sequence", met)
 
 
@@ -218,24 +221,56 @@ def _distinct(*ts):
     return out
 
 
-def _eager_logps(p, logits, labels, ref_logps):
-    """Eager differentiable log-probs (fp64 for fp64 inputs) and the mask."""
-    logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
+def _eager_logps(p, logits, labels, ref_logps, lay=None):
+    """Eager differentiable log-probs (fp64 for fp64 inputs) and the mask (``lay``: a packed batch's ``(map,
+    packed labels)``: the log-probs of the stream, then moved to the padded rows)."""
+    if lay is None:
+        logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
+    else:
+        logps = L.unpack(_TokenLogprobs.apply(p, False, False, False, logits, lay[1].reshape(-1))[0], lay[0], 0.0)
     if ref_logps is not None:
         logps = logps.to(ref_logps.dtype)
     return logps, labels != p.ignore_index
 
 
-def _eager(p, logits, labels, ref_logps, inp):
+def _eager(p, logits, labels, ref_logps, inp, lay=None):
     """The eager path of a loss: eager differentiable log-probs, then the loss's math."""
-    logps, mask = _eager_logps(p, logits, labels, ref_logps)
+    logps, mask = _eager_logps(p, logits, labels, ref_logps, lay)
     return losses.compute(p, logps, ref_logps, mask, inp)
+
+
+def _logits_level(p, logits, labels, ref_logps, packed, validate):
+    """The checked ``(logits, labels [B, T], ref_logps, lay)`` of a loss call: as given (``lay`` None), or of a
+    packed batch (:class:`~humanline_kernels.Packed`): ``logits [N, V]`` as they are, the per-token tensors moved
+    to the padded rows ``[S, T]`` (:func:`._layout.unpack`), ``lay = (map, packed labels)``."""
+    if packed is None:
+        V.check_logits_loss(logits, labels, ref_logps, p, validate)
+        return logits, labels, ref_logps, None
+    V.check_packed("logits", logits, labels, ref_logps, packed)
+    V.check_logits(logits, labels, p, validate)
+    x = logits.reshape(-1, logits.shape[-1])
+    tm = L.packed_map(packed, x.shape[0], x.device)
+    ref = None if ref_logps is None else L.unpack(ref_logps, tm, 0.0)
+    return x, L.unpack(labels, tm, p.ignore_index), ref, (tm, labels)
+
+
+def _per_token(t, lay):
+    """A per-token input (``[N]`` of a packed batch, shaped like its labels) on the padded rows; others as given."""
+    if lay is None or t is None or tuple(t.shape) != tuple(lay[1].shape):
+        return t
+    return L.unpack(t, lay[0], False if t.dtype == torch.bool else 0.0)
+
+
+def _tokens(lay):
+    return None if lay is None else lay[0].plane
 
 
 def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
          kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None, temperature=1.0,
-         ignore_index=-100, validate=True, grad_in_forward=False, inplace_backward=False):
+         ignore_index=-100, validate=True, grad_in_forward=False, inplace_backward=False, packed=None):
     """Humanline GRPO from ``logits [B, T, V]``; same keywords and result as :func:`humanline_kernels.losses.grpo`.
+    ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, ``logits [N, V]`` (or ``[1, N, V]``)
+    and per-token tensors ``[N]``, advantages ``[S]`` or ``[N]`` (docs/fused_linear.md, "Layouts").
 
     ``grad_in_forward=True`` (kernel path, when grad is enabled and ``logits`` requires it) writes
     ``d loss / d logits`` for ``grad_output = 1`` during the forward pass: GRPO's per-token term depends only on its
@@ -249,22 +284,23 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
                                  loss_type=loss_type, normalizer=normalizer,
                                  max_completion_length=max_completion_length, temperature=temperature,
                                  ignore_index=ignore_index)
-    inp = GRPOInputs(advantages, kl_ref_logps, norm)
-    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
+    inp = GRPOInputs(_per_token(advantages, lay), _per_token(kl_ref_logps, lay), norm)
     V.check_grpo(p, labels.shape, ref_logps, inp)
     if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
-        return _eager(p, logits, labels, ref_logps, inp)
+        return _eager(p, logits, labels, ref_logps, inp, lay)
     gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
     fn = _GrpoGradInForward if gif else _FusedLoss
-    loss, met = fn.apply(p, bool(inplace_backward), logits, labels, *_distinct(ref_logps, *inp))
+    loss, met = fn.apply(p, bool(inplace_backward), _tokens(lay), logits, labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)
 
 
 def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
         loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
         ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0, ignore_index=-100, validate=True,
-        inplace_backward=False):
-    """Humanline DPO from ``logits [2P, T, V]``; same keywords and result as :func:`humanline_kernels.losses.dpo`
+        inplace_backward=False, packed=None):
+    """Humanline DPO from ``logits [2P, T, V]`` (or a packed batch of ``2P`` sequences, chosen first: ``packed``,
+    as for :func:`grpo`); same keywords and result as :func:`humanline_kernels.losses.dpo`
     (WPO's ``use_weighting`` is refused: it needs each token's ``log sum p^2``). DPO and cDPO run in the DPO
     finalize kernel; TRL's other loss types and options on the sequence-level primitive (:func:`sequence_logratios`)
     and the batch math of :mod:`humanline_kernels._objectives`."""
@@ -272,17 +308,17 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
-    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
     mixture = V.check_dpo(p, labels.shape[0], ref_logps)
     V.check_fused_dpo(p, mixture[0])
     if not ops.use_kernels(logits, ref_logps):
-        return _eager(p, logits, labels, ref_logps, DPOInputs())
+        return _eager(p, logits, labels, ref_logps, DPOInputs(), lay)
     if p.fast:
-        loss, met = _FusedLoss.apply(p, bool(inplace_backward), logits, labels, ref_logps)
+        loss, met = _FusedLoss.apply(p, bool(inplace_backward), _tokens(lay), logits, labels, ref_logps)
         return loss, named_metrics("dpo", met)
     mask = labels != ignore_index
     tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha)
-    rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, tw)
+    rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, tw, _tokens(lay))
     if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
         rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
     return losses.from_rows(p, rows, metrics, mixture=mixture)
@@ -290,69 +326,77 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
 
 def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
         beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto", kl_estimate="halos", temperature=1.0,
-        ignore_index=-100, validate=True, inplace_backward=False):
+        ignore_index=-100, validate=True, inplace_backward=False, packed=None, kl_packed=None):
     """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass. Same
-    keywords and result as :func:`humanline_kernels.losses.kto`."""
+    keywords and result as :func:`humanline_kernels.losses.kto`. ``packed`` / ``kl_packed``: the batch / the KL
+    rows packed (as for :func:`grpo`; the KL rows ``[N_kl]`` with boundaries of their own)."""
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
+    kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_logits_loss(logits, labels, ref_logps, p, validate)
     V.check_kto(p, labels.shape[0], labels.device, inp)
     if not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
-        return _eager(p, logits, labels, ref_logps, inp)
+        return _eager(p, logits, labels, ref_logps, inp, lay)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
-        return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward), inp)
+        rows = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
+        return losses.from_rows(p, *rows, inp)
     if losses.distributed() or kl_estimate != "halos":  # the finalize kernel finds HALOs' baseline on one rank only
         inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps, kl_estimate))
-    loss, met = _FusedLoss.apply(p, bool(inplace_backward), logits, labels, *_distinct(ref_logps, *inp))
+    loss, met = _FusedLoss.apply(p, bool(inplace_backward), _tokens(lay), logits, labels,
+                                 *_distinct(ref_logps, *inp))
     return loss, named_metrics("kto", met)
 
 
 def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False, temperature=1.0, ignore_index=-100,
-                       validate=True, inplace_backward=False):
+                       validate=True, inplace_backward=False, packed=None):
     """The sequence-level primitive from ``logits [B, T, V]``: ``(s [B], policy_sums [B], metrics)``, as
     :func:`humanline_kernels.losses.sequence_logratios` (``ref_logps=None``: a reference of 0). Kernel path: the
-    row kernel and one sums kernel forward, one launch backward, whatever loss is built on the sums."""
+    row kernel and one sums kernel forward, one launch backward, whatever loss is built on the sums. ``packed``:
+    a padding-free batch (as for :func:`grpo`), one sum per sequence."""
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
-    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
     V.check_sequence(p)
     if ops.use_kernels(logits, ref_logps):
-        rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward)
+        rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
     else:
-        logps, mask = _eager_logps(p, logits, labels, ref_logps)
+        logps, mask = _eager_logps(p, logits, labels, ref_logps, lay)
         rows, metrics = losses.sequence_rows(logps, ref_logps, mask, clip)
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
 def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, ignore_index=-100, validate=True,
-        inplace_backward=False):
-    """Humanline IPO from ``logits [2P, T, V]``; as :func:`humanline_kernels.losses.ipo`."""
+        inplace_backward=False, packed=None):
+    """Humanline IPO from ``logits [2P, T, V]`` (or ``packed``, as for :func:`grpo`); as
+    :func:`humanline_kernels.losses.ipo`."""
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
-    V.check_logits_loss(logits, labels, ref_logps, p, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
     V.check_ipo(p, labels.shape[0])
     if not ops.use_kernels(logits, ref_logps):
-        return _eager(p, logits, labels, ref_logps, None)
-    return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward))
+        return _eager(p, logits, labels, ref_logps, None, lay)
+    return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay)))
 
 
 def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0, ignore_index=-100,
-          validate=True, inplace_backward=False):
-    """Humanline SimPO from ``logits [2P, T, V]`` (a reference of 0); as :func:`humanline_kernels.losses.simpo`."""
+          validate=True, inplace_backward=False, packed=None):
+    """Humanline SimPO from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
+    :func:`humanline_kernels.losses.simpo`."""
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
-    V.check_logits_loss(logits, labels, None, p, validate)
+    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate)
     V.check_simpo(p, labels.shape[0])
     if not ops.use_kernels(logits):
-        return _eager(p, logits, labels, None, None)
-    return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward))
+        return _eager(p, logits, labels, None, None, lay)
+    return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))
 
 
 def slic(logits, labels, *, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0, ignore_index=-100, validate=True,
-         inplace_backward=False):
-    """Humanline SLiC from ``logits [2P, T, V]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
+         inplace_backward=False, packed=None):
+    """Humanline SLiC from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
+    :func:`humanline_kernels.losses.slic`."""
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
-    V.check_logits_loss(logits, labels, None, p, validate)
+    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate)
     V.check_slic(p, labels.shape[0])
     if not ops.use_kernels(logits):
-        return _eager(p, logits, labels, None, None)
-    return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward))
+        return _eager(p, logits, labels, None, None, lay)
+    return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _layout as L
 from . import _objectives as O
 from . import _validation as V
 from . import losses, ops
@@ -90,52 +91,84 @@ def _acc(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed, supervised, pairs=False):
+    """The checked ``(labels, ref_logps, map)`` of a loss call: as given (map None), or on the padded rows
+    ``[S, T]`` with the token map of a packed batch and / or of the supervised positions (:mod:`._layout`; ``pairs``:
+    DPO's chunks of whole pairs, so the map lists row ``j`` then row ``P + j``)."""
+    if packed is None:
+        V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+        if supervised is None:
+            return labels, ref_logps, None
+        tm = L.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
+    else:
+        V.check_packed("hidden", hidden, labels, ref_logps, packed)
+        V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+        N, dev = labels.numel(), hidden.device
+        tm = (L.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
+              L.supervised_map(supervised, 0, 0, dev, packed=packed, N=N, pairs=pairs))
+    y = L.unpack(labels, tm, p.ignore_index)
+    if validate and supervised is not None:
+        V.check_supervised(labels, y, p.ignore_index)
+    return y, None if ref_logps is None else L.unpack(ref_logps, tm, 0.0), tm
+
+
+def _per_token(t, labels, tm):
+    """A per-token input (shaped like the caller's ``labels``) on the map's padded rows; others as given."""
+    if tm is None or t is None or tuple(t.shape) != tuple(labels.shape):
+        return t
+    return L.unpack(t, tm, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------- token log-probs
 class _LinearLogprobs(torch.autograd.Function):
     """Per-token log-probs chunk by chunk; the backward recomputes each chunk's GEMM (the per-token gradient is
     only known then). ``kernels``: the Triton kernels or their eager twins."""
 
     @staticmethod
-    def forward(ctx, p, return_entropy, rows, kernels, hidden, weight, bias, labels):
+    def forward(ctx, p, return_entropy, rows, kernels, tm, hidden, weight, bias, labels):
         LP = LC.impl(kernels)[0]
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)  # tokens as one row: q = r
         f = dict(dtype=_acc(hidden), device=hidden.device)
-        logp, lse = torch.empty(y.shape, **f), torch.empty(y.shape, **f)
-        ent = torch.empty(y.shape, **f) if return_entropy else None
-        chunks = LC.token_chunks(y.shape[1], rows)
+        alloc = torch.empty if tm is None else torch.zeros  # (a map of the supervised tokens skips the others)
+        logp, lse = alloc(y.shape, **f), alloc(y.shape, **f)
+        ent = alloc(y.shape, **f) if return_entropy else None
+        chunks = LC.token_chunks(y.shape[1], rows) if tm is None else LC.map_chunks("tokens", tm, rows)
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = LC.gather_buffer(chunks, h2)
         for segs in chunks:
-            z = LC.chunk_logits(buf, h2, wt, bias, segs)
-            LP.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent), segs=segs)
+            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
+            LP.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent),
+                            segs=LC.kernel_segs(segs))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
-        ctx.cfg = (p, chunks, LP)
+        ctx.cfg = (p, chunks, LP, tm is not None)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
         return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         if grad_logp is None and grad_ent is None:
-            return (None,) * 8
+            return (None,) * 9
         hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
-        p, chunks, LP = ctx.cfg
+        p, chunks, LP, sparse = ctx.cfg
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7])
+        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[5:8], sparse)
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
         gh = None if grad_ent is None else grad_ent.reshape(y.shape)
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = LC.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs)  # recomputed: dL/dz is formed in place of the logits
-            LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=segs, grad_entropy=gh,
-                            entropy=ent)
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
+            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
+            LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=LC.kernel_segs(segs),
+                            grad_entropy=gh, entropy=ent)
+            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         dh = None if dh is None else dh.view(hidden.shape)
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return None, None, None, None, dh, dw, db, None
+        return None, None, None, None, None, dh, dw, db, None
 
 
 def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
-                   chunk_bytes=CHUNK_BYTES, validate=True):
+                   chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """fp32 ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``hidden``, ``weight`` and ``bias`` (the backward recomputes the lm_head GEMM
@@ -143,13 +176,25 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     (an entropy bonus trains through it, as with TRL's head). Under
     ``torch.no_grad()`` (or when nothing requires grad) nothing is saved. ``chunk_bytes`` bounds the logits
     buffer; ``validate=False`` skips the label range check (the only host sync).
+
+    ``supervised`` (ranges ``[R, 2]`` on the host: per row of ``labels`` viewed as ``[R, T]``, or per sequence of
+    ``packed``, the positions ``[start, end)`` that may carry a label) runs the lm_head on those positions only;
+    the others get log-prob 0 and an exact 0 gradient (docs/fused_linear.md, "Layouts").
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
     V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+    tm = None
+    if supervised is not None:
+        N = labels.numel()
+        T = labels.shape[-1]  # (padded: the rows of labels [..., T])
+        R = N // T if T else 0
+        tm = L.flat(L.supervised_map(supervised, R, T, hidden.device, packed=packed, N=N))
+        if validate:
+            V.check_supervised(labels, labels.reshape(-1).index_select(0, tm.plane), ignore_index)
     rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    logp, ent = _LinearLogprobs.apply(p, bool(return_entropy), rows, ops.use_kernels(hidden), hidden, weight, bias,
-                                      labels)
+    logp, ent = _LinearLogprobs.apply(p, bool(return_entropy), rows, ops.use_kernels(hidden), tm, hidden, weight,
+                                      bias, labels)
     return (logp, ent) if return_entropy else logp
 
 
@@ -168,23 +213,28 @@ class _LinearSequences(torch.autograd.Function):
     backward."""
 
     @staticmethod
-    def forward(ctx, p, rows, kernels, hidden, weight, bias, labels, ref, token_weights):
+    def forward(ctx, p, rows, kernels, tm, hidden, weight, bias, labels, ref, token_weights):
         _, TT, FIN = LC.impl(kernels)
         B, T = labels.shape
         h2 = hidden.reshape(-1, hidden.shape[-1])
         f = dict(dtype=_acc(hidden), device=hidden.device)
-        out = tuple(torch.empty((B, T), **f) for _ in range(3)) + (torch.empty((4, B, T), **f),)
+        # a map may skip positions of the planes: their labels are ignore_index, so the kernels never read them;
+        # the eager twins sum whole rows and need zeros there
+        alloc = torch.empty if tm is None or kernels else torch.zeros
+        out = tuple(alloc((B, T), **f) for _ in range(3)) + (alloc((4, B, T), **f),)
         ref = torch.zeros((B, T), **f) if ref is None else ref.to(f["dtype"]).contiguous()
-        chunks = LC.token_chunks(B * T, rows)
+        chunks = LC.token_chunks(B * T, rows) if tm is None else LC.map_chunks("sequence", tm, rows)
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = LC.gather_buffer(chunks, h2)
         for segs in chunks:
-            TT.token_terms(LC.chunk_logits(buf, h2, wt, bias, segs), labels, ref, p, out=out, segs=segs)
+            TT.token_terms(LC.chunk_logits(buf, h2, wt, bias, segs, gbuf), labels, ref, p, out=out,
+                           segs=LC.kernel_segs(segs))
         val, coef, lse, aux = out
         s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, coef)
-        ctx.cfg = (p, chunks, kernels)
+        ctx.cfg = (p, chunks, kernels, tm is not None and tm.M != h2.shape[0])
         ctx.mark_non_differentiable(n, met)
         ctx.set_materialize_grads(False)
         return s, pol, n, met
@@ -192,76 +242,80 @@ class _LinearSequences(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_s, grad_pol, _grad_n, _grad_met):
         if grad_s is None and grad_pol is None:
-            return (None,) * 9
+            return (None,) * 10
         hidden, weight, bias, labels, lse, coef = ctx.saved_tensors
-        p, chunks, kernels = ctx.cfg
+        p, chunks, kernels, sparse = ctx.cfg
         LP = LC.impl(kernels)[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[3:6])
+        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.to(lse.dtype).contiguous()
         add = None if grad_pol is None else grad_pol.to(lse.dtype).contiguous()
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = LC.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs)  # recomputed: dL/dz is formed in place of the logits
+            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
             LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
-                            segs=segs)
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
+                            segs=LC.kernel_segs(segs))
+            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         dh = None if dh is None else dh.view(hidden.shape)
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return None, None, None, dh, dw, db, None, None, None
+        return None, None, None, None, dh, dw, db, None, None, None
 
 
-def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights=None):
-    """``(Rows, metrics)`` of the sequence-level primitive (``ref_logps=None``: a reference of 0)."""
+def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights=None, tm=None):
+    """``(Rows, metrics)`` of the sequence-level primitive (``ref_logps=None``: a reference of 0; ``tm``: a token
+    map, :mod:`._layout`)."""
     rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    s, pol, n, met = _LinearSequences.apply(p, rows, ops.use_kernels(hidden, ref_logps), hidden, weight, bias,
+    s, pol, n, met = _LinearSequences.apply(p, rows, ops.use_kernels(hidden, ref_logps), tm, hidden, weight, bias,
                                             labels, ref_logps, token_weights)
     return O.Rows(s, pol, n), named_metrics("sequence", met)
 
 
 def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=None, normalize=False, temperature=1.0,
-                       ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+                       ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """The sequence-level primitive from ``hidden [B, T, D]`` and ``weight [V, D]``: ``(s [B], policy_sums [B],
     metrics)``, as :func:`humanline_kernels.losses.sequence_logratios`; the backward recomputes the lm_head GEMM
-    chunk by chunk."""
+    chunk by chunk. ``supervised`` / ``packed``: as for :func:`grpo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
-    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
+                                          supervised)
     V.check_sequence(p)
-    rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes)
+    rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm)
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
 def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip=None, beta=0.1, temperature=1.0, ignore_index=-100,
-        chunk_bytes=CHUNK_BYTES, validate=True):
+        chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline IPO from ``hidden [2P, T, D]``; as :func:`humanline_kernels.losses.ipo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
-    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
+                                          supervised)
     V.check_ipo(p, labels.shape[0])
-    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes))
+    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm))
 
 
 def simpo(hidden, weight, labels, *, bias=None, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0,
-          ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+          ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline SimPO from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.simpo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
-    V.check_linear_loss(hidden, weight, bias, labels, None, p, chunk_bytes, validate)
+    labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
     V.check_simpo(p, labels.shape[0])
-    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes))
+    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
 def slic(hidden, weight, labels, *, bias=None, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0,
-         ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+         ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline SLiC from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
-    V.check_linear_loss(hidden, weight, bias, labels, None, p, chunk_bytes, validate)
+    labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
     V.check_slic(p, labels.shape[0])
-    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes))
+    return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
 # -------------------------------------------------------------------------------------------------------- losses
@@ -288,16 +342,19 @@ class _LinearLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, p, chunk_bytes, kernels, need, hidden, weight, bias, labels, ref, *inputs):
+    def forward(ctx, p, chunk_bytes, kernels, need, tm, hidden, weight, bias, labels, ref, *inputs):
         LP, TT, FIN = LC.impl(kernels)
         B, T = labels.shape
-        chunks = LC.loss_chunks(p.name, B, T, LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes))
+        max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+        chunks = LC.loss_chunks(p.name, B, T, max_rows) if tm is None else LC.map_chunks(p.name, tm, max_rows)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         grad, grpo = any(need), p.name == "grpo"
         f = dict(dtype=_acc(ref), device=hidden.device)
-        val, coef, lse = (torch.empty((B, T), **f) for _ in range(3))
-        out = (val, coef, lse, torch.empty((4, B, T), **f))
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need) if grad else (None, None, None)
+        alloc = torch.empty if tm is None or kernels else torch.zeros  # (as in _LinearSequences)
+        val, coef, lse = (alloc((B, T), **f) for _ in range(3))
+        out = (val, coef, lse, alloc((4, B, T), **f))
+        sparse = tm is not None and tm.M != h2.shape[0]
+        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need, sparse) if grad else (None, None, None)
         # the per-chunk launches read these whole-batch inputs as they are: cast and made contiguous once per call
         ref = ref.to(f["dtype"]).contiguous()
         inp = p.Inputs(*(None if t is None else (t.to(f["dtype"]) if t.is_floating_point() else t).contiguous()
@@ -305,11 +362,12 @@ class _LinearLoss(torch.autograd.Function):
         finalize = FIN.FINALIZE[p.name]
         w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if grpo and grad else None
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = LC.gather_buffer(chunks, h2)
         whole = len(chunks) == 1  # a DPO / KTO chunk's finalize is then the whole batch's
         done = None  # (loss, metrics, w) of a finalize over the whole batch
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs)
-            TT.token_terms(z, labels, ref, p, inp, out=out, segs=segs, row_weight=w,
+            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
+            TT.token_terms(z, labels, ref, p, inp, out=out, segs=LC.kernel_segs(segs), row_weight=w,
                            grad_out=z if grpo and grad else None)
             if not grad:
                 continue
@@ -319,8 +377,8 @@ class _LinearLoss(torch.autograd.Function):
                     inp = inp._replace(z0=res[1][0], kl_logps=None, kl_ref_logps=None, kl_mask=None)
                 done = res if whole else None
                 LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
-                                segs=segs)
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0)
+                                segs=LC.kernel_segs(segs))
+            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         loss, met, _ = done if done is not None else finalize(val, out[3], labels, p, inp)
         ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
         ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs))
@@ -332,35 +390,45 @@ class _LinearLoss(torch.autograd.Function):
     def backward(ctx, go, _grad_met):
         (dh, dw, db), (h_shape, w_dtype, b_dtype, n) = ctx.grads, ctx.meta
         if go is None:
-            return (None,) * (9 + n)
+            return (None,) * (10 + n)
         dh = None if dh is None else (dh * go).view(h_shape)  # one kernel: a 0-d go does not promote dh
-        return (None,) * 4 + (dh, _scaled(dw, go, w_dtype), _scaled(db, go, b_dtype)) + (None,) * (2 + n)
+        return (None,) * 5 + (dh, _scaled(dw, go, w_dtype), _scaled(db, go, b_dtype)) + (None,) * (2 + n)
 
 
 def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2,
          epsilon_high=0.2, kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None,
-         temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+         temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline GRPO from ``hidden [B, T, D]`` and ``weight [V, D]``; keywords and result of
-    :func:`humanline_kernels.losses.grpo` plus ``bias`` and ``chunk_bytes``. Chunks are token ranges."""
+    :func:`humanline_kernels.losses.grpo` plus ``bias`` and ``chunk_bytes``. Chunks are token ranges.
+
+    ``supervised``: ranges ``[B, 2]`` on the host, per row (per packed sequence) the positions ``[start, end)``
+    that may carry a label (TRL's completions): the lm_head GEMMs and the row kernels run on those positions only
+    (6 D V flops a supervised token instead of a position), every other position counts as ignored and gets an
+    exact 0 gradient. ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, ``hidden [N, D]`` (or
+    ``[1, N, D]``), per-token tensors ``[N]``, advantages ``[S]`` or ``[N]``; its boundaries are read on the host
+    (pass ``cu_seqlens`` on the CPU). Both: docs/fused_linear.md, "Layouts"."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                                  loss_type=loss_type, normalizer=normalizer,
                                  max_completion_length=max_completion_length, temperature=temperature,
                                  ignore_index=ignore_index)
-    inp = GRPOInputs(advantages, kl_ref_logps, norm)
-    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
-    V.check_grpo(p, labels.shape, ref_logps, inp)
     kernels = ops.use_kernels(hidden, ref_logps, kl_ref_logps)
-    loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), hidden, weight, bias, labels,
-                                  *_distinct(ref_logps, *inp))
+    given = labels
+    labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
+                                          supervised)
+    inp = GRPOInputs(_per_token(advantages, given, tm), _per_token(kl_ref_logps, given, tm), norm)
+    V.check_grpo(p, labels.shape, ref_logps, inp)
+    loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), tm, hidden, weight, bias,
+                                  labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)
 
 
 def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0,
         loss_type="sigmoid", loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl",
         f_alpha_divergence_coef=0.5, ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0,
-        ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
-    """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first); keywords and result of
+        ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+    """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first; ``supervised`` / ``packed`` as for
+    :func:`grpo`, packed: ``2P`` sequences, chosen first); keywords and result of
     :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes`` (WPO refused, as at the logits level).
     DPO and cDPO: chunks of whole pairs with the gradient formed in the forward (6 N D V flops); TRL's other loss
     types and options: the sequence-level primitive (:func:`sequence_logratios`, 8 N D V)."""
@@ -369,37 +437,42 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
-    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+    labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
+                                          supervised, pairs=p.fast)
     mixture = V.check_dpo(p, labels.shape[0], ref_logps)
     V.check_fused_dpo(p, mixture[0])
     if not p.fast:
         tw = None if ld_alpha is None else O.ld_weights(labels != ignore_index, ld_alpha)
-        rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, tw)
+        rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, tw, tm)
         if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
             rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
         return losses.from_rows(p, rows, metrics, mixture=mixture)
     loss, met = _LinearLoss.apply(p, chunk_bytes, ops.use_kernels(hidden, ref_logps), _need(hidden, weight, bias),
-                                  hidden, weight, bias, labels, ref_logps)
+                                  tm, hidden, weight, bias, labels, ref_logps)
     return loss, named_metrics("dpo", met)
 
 
 def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
         bias=None, clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
-        kl_estimate="halos", temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True):
+        kl_estimate="halos", temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True,
+        supervised=None, packed=None, kl_packed=None):
     """Humanline KTO from ``hidden [B, T, D]``; the KL rows come as log-probs (``kl_logps``, ``kl_ref_logps``,
     ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows. Same
-    keywords and result as :func:`humanline_kernels.losses.kto`."""
+    keywords and result as :func:`humanline_kernels.losses.kto`; ``supervised`` / ``packed`` as for :func:`grpo`,
+    ``kl_packed`` the KL rows' own boundaries when they come packed."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
+    labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
+                                          supervised)
+    kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
     V.check_kto(p, labels.shape[0], labels.device, inp)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
-        return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes), inp)
+        return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm), inp)
     if losses.distributed() or kl_estimate != "halos":  # z0 known before any chunk runs (all-reduced across ranks)
         inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps, kl_estimate))
     kernels = ops.use_kernels(hidden, ref_logps, kl_logps, kl_ref_logps)
-    loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), hidden, weight, bias, labels,
-                                  *_distinct(ref_logps, *inp))
+    loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), tm, hidden, weight, bias,
+                                  labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("kto", met)

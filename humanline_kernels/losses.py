@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _layout as L
 from . import _objectives as O
 from . import _validation as V
 from ._clip import DEFAULT_CLIP
@@ -281,11 +282,38 @@ def grpo_params(*, clip, beta, epsilon_low, epsilon_high, loss_type, normalizer,
     return p, tensor
 
 
+# ------------------------------------------------------------------ layouts: a packed batch on the padded rows
+def unpacked(packed, logps, *per_token):
+    """The per-token tensors of a packed batch (``[N]`` or ``[1, N]``, shaped like ``logps``; others, e.g. one
+    advantage per sequence, pass as they are) on the padded rows ``[S, T]`` that every loss is defined on (a scatter,
+    differentiable; :class:`~humanline_kernels.Packed`); all as given without one."""
+    if packed is None:
+        return (logps, *per_token)
+    V.check_packed("logps", logps, logps, None, packed)
+    tm = L.packed_map(packed, logps.numel(), logps.device)
+
+    def move(t):
+        if t is None or tuple(t.shape) != tuple(logps.shape):
+            return t
+        return L.unpack(t, tm, False if t.dtype == torch.bool else 0.0)
+    return tuple(map(move, (logps, *per_token)))
+
+
+def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):
+    """KTO's KL rows on padded rows (``kl_packed``: they come packed, with boundaries of their own)."""
+    if kl_packed is None or kl_logps is None:
+        return kl_logps, kl_ref_logps, kl_mask
+    return unpacked(kl_packed, kl_logps, kl_ref_logps, kl_mask)
+
+
 # ------------------------------------------------------------------ the public functions of this level
-def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False):
+def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False, packed=None):
     """``(s [B], policy_sums [B], metrics)``: per-sequence sums of the clamped log-ratio (divided by the token count
     when ``normalize``) and of the policy's log-probs (never clamped); ``ref_logps=None`` is a reference of 0.
-    Differentiable; see :func:`humanline_kernels.reference.sequence_logratios`."""
+    Differentiable; see :func:`humanline_kernels.reference.sequence_logratios`. ``packed``
+    (:class:`~humanline_kernels.Packed`): the per-token tensors are a padding-free batch ``[N]``, one sum per
+    sequence (the same at every loss of this level)."""
+    logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
     p = Sequence(clip=clip, normalize=normalize)
     V.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
     V.check_sequence(p)
@@ -293,25 +321,28 @@ def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False):
     return (mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
-def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1):
+def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1, packed=None):
     """Humanline IPO from ``[2P, T]`` log-probs (HALOs' IPO; TRL's "ipo"); see
     :func:`humanline_kernels.reference.ipo`."""
+    logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
     p = IPO(clip=clip, beta=beta)
     V.check_logps(logps, ref_logps, mask)
     V.check_ipo(p, logps.shape[0])
     return _sequence_loss(p, logps, ref_logps, mask, None)
 
 
-def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25):
+def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, packed=None):
     """Humanline SimPO (a reference of 0); see :func:`humanline_kernels.reference.simpo`."""
+    logps, _, mask = unpacked(packed, logps, None, mask)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
     V.check_logps(logps, logps, mask)
     V.check_simpo(p, logps.shape[0])
     return _sequence_loss(p, logps, None, mask, None)
 
 
-def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
+def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1, packed=None):
     """Humanline SLiC (a reference of 0); see :func:`humanline_kernels.reference.slic`."""
+    logps, _, mask = unpacked(packed, logps, None, mask)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef)
     V.check_logps(logps, logps, mask)
     V.check_slic(p, logps.shape[0])
@@ -320,9 +351,10 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
 
 def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
         loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-        ld_alpha=None, discopop_tau=0.05, use_weighting=False, log_sum_sq_probs=None):
+        ld_alpha=None, discopop_tau=0.05, use_weighting=False, log_sum_sq_probs=None, packed=None):
     """Humanline DPO from ``[2P, T]`` log-probs, TRL 1.16's loss types and options too; returns ``(loss,
-    metrics)``. See :func:`humanline_kernels.reference.dpo`."""
+    metrics)``. See :func:`humanline_kernels.reference.dpo`. ``packed``: ``2P`` packed sequences, chosen first."""
+    logps, ref_logps, mask, log_sum_sq_probs = unpacked(packed, logps, ref_logps, mask, log_sum_sq_probs)
     p = DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, loss_weights=loss_weights,
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting)
@@ -334,9 +366,12 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
 
 def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
         clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
-        kl_estimate="halos"):
+        kl_estimate="halos", packed=None, kl_packed=None):
     """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0`` (``kl_estimate``:
-    HALOs' or TRL's); ``loss_type="apo_zero_unpaired"`` has none. See :func:`humanline_kernels.reference.kto`."""
+    HALOs' or TRL's); ``loss_type="apo_zero_unpaired"`` has none. See :func:`humanline_kernels.reference.kto`.
+    ``packed`` / ``kl_packed``: the rows / the KL rows come packed, each with boundaries of its own."""
+    logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
+    kl_logps, kl_ref_logps, kl_mask = kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)

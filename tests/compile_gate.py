@@ -164,6 +164,53 @@ def _cases():
             lp, ent = hk.fused_linear.token_logprobs(h, w, y, return_entropy=True, **kw)
             torch.autograd.grad((lp, ent), (h, w), (torch.empty_like(lp), torch.empty_like(ent)))
 
+    def layout(level, kind, dtype, mode):
+        # a token map in the row kernels (has_tok): a packed batch at the logits level (logits [N, V] rows to
+        # the padded planes), and the fused-linear chunks of a packed batch or of the supervised tokens only
+        # (gathered hidden rows, chunk slices of the map), forward and backward
+        import humanline_kernels as hk
+        B, T, V, D = 4, 16, 32000, 64
+        lens = [16, 9, 12, 5]
+        cu = [0, 16, 25, 37, 42]
+        N = cu[-1] if mode != "supervised" else B * T
+        extra = dict(validate=False)
+        if mode != "supervised":
+            extra["packed"] = hk.Packed(cu)
+        if mode != "packed":
+            extra["supervised"] = [[3, n] for n in lens]
+        shape = (N,) if mode != "supervised" else (B, T)
+        y = torch.empty(shape, dtype=torch.int64, device="meta")
+        f = torch.empty(shape, dtype=torch.float32, device="meta")
+        adv = torch.empty((B,), dtype=torch.float32, device="meta")
+        if level == "fused":
+            x = torch.empty((N, V), dtype=dtype, device="meta", requires_grad=True)
+            extra.pop("supervised", None)
+            if kind == "grpo":
+                for gif in (False, True):
+                    loss = hk.fused.grpo(x, y, f, adv, beta=0.04, grad_in_forward=gif, **extra)[0]
+                    torch.autograd.grad(loss, x)
+            elif kind == "dpo":
+                torch.autograd.grad(hk.fused.dpo(x, y, f, **extra)[0], x)
+            else:
+                s, pol, _ = hk.fused.sequence_logratios(x, y, f, clip=clip, **extra)
+                torch.autograd.grad((s.sum(), pol.sum()), x)
+            return
+        h = torch.empty((*shape, D), dtype=dtype, device="meta", requires_grad=True)
+        w = torch.empty((V, D), dtype=dtype, device="meta", requires_grad=True)
+        kw = dict(chunk_bytes=12 * V * h.element_size(), **extra)
+        if kind == "grpo":
+            hk.fused_linear.grpo(h, w, y, f, adv, beta=0.04, **kw)
+        elif kind == "dpo":
+            hk.fused_linear.dpo(h, w, y, f, **kw)
+        elif kind == "kto":
+            hk.fused_linear.kto(h, w, y, f, torch.empty((B,), dtype=torch.bool, device="meta"), **kw)
+        elif kind == "sequence":
+            s, pol, _ = hk.fused_linear.sequence_logratios(h, w, y, f, clip=clip, **kw)
+            torch.autograd.grad((s.sum(), pol.sum()), (h, w))
+        else:
+            lp, ent = hk.fused_linear.token_logprobs(h, w, y, return_entropy=True, **kw)
+            torch.autograd.grad((lp, ent), (h, w), (torch.empty_like(lp), torch.empty_like(ent)))
+
     def finalize(shape_name, kind, variant, labels_view=True):
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
         if labels_view:  # a labels[:, 1:] view (unaligned) as well as contiguous labels: separate specialisations
@@ -192,7 +239,7 @@ def _cases():
         tw = torch.empty(f.shape, dtype=torch.float32, device="meta") if weights else None
         from humanline_kernels import fused as F
         from humanline_kernels._params import Sequence
-        s, pol, _n, _m = F._Sequences.apply(Sequence(clip=clip), False, x, y, f, tw)
+        s, pol, _n, _m = F._Sequences.apply(Sequence(clip=clip), False, None, x, y, f, tw)
         torch.autograd.grad((s.sum(), pol.sum()), x)
         hk.fused.sequence_logratios(x, y, f, clip=None, validate=False)
 
@@ -243,6 +290,15 @@ def _cases():
         for kind, split in itertools.product(("grpo", "dpo", "kto", "token_logprobs", "sequence"), (False, True)):
             cases.append((f"fused_linear {kind} split={split} {dn}", True,
                           lambda dt=DTYPES[dn], k=kind, sp=split: linear(k, dt, sp)))
+        for kind in ("grpo", "dpo", "sequence"):
+            cases.append((f"layout fused {kind} packed {dn}", True, lambda dt=DTYPES[dn], k=kind:
+                          layout("fused", k, dt, "packed")))
+        for kind, mode in itertools.product(("grpo", "dpo", "kto", "token_logprobs", "sequence"),
+                                            ("packed", "supervised", "packed+supervised")):
+            if kind == "token_logprobs" and mode == "packed":
+                continue  # (plain log-probs have no sequences: a packed batch is just tokens)
+            cases.append((f"layout fused_linear {kind} {mode} {dn}", True,
+                          lambda dt=DTYPES[dn], k=kind, m=mode: layout("fused_linear", k, dt, m)))
     # the [B, T] tail: one program over small fp32 tensors, not a row-streaming kernel, so no 16-byte load rule
     # (B and T are not specialised: the shapes below only change the pointers' and strides' specialisation)
     for sn in ("aligned", "T=1", "odd T, tiny V"):
@@ -262,6 +318,16 @@ _STRIDE = re.compile(r"_s[bt]$|stride")  # strides: the shape cases above cover 
 def _int_class(v):
     """What Triton specialises an integer argument on: equal to 1, divisible by 16, or neither."""
     return "1" if v == 1 else "16" if v % 16 == 0 else "n"
+
+
+def _launch_rules():
+    """Launch parameters a launcher derives from a kernel's switches: a derived combination gets them by the
+    launcher's own rule (kernel name -> kwargs -> kwargs), not the recorded launch's."""
+    from humanline_kernels.ops.logprobs import kernel as LPK
+
+    def fwd(kw):
+        return dict(kw, BLOCK_V=LPK.fwd_block(kw["x_ptr"], kw["ENTROPY"], kw["TOKEN_MAP"]))
+    return {"_logprobs_fwd_kernel": fwd}
 
 
 def derived_variants(launches, max_bases=6):
@@ -300,11 +366,12 @@ def derived_variants(launches, max_bases=6):
                 keys.add(key)
                 bases.append((kwargs, grid, aligned))
         names = sorted(switches)
+        rule = _launch_rules().get(kernel.fn.__name__, lambda kw: kw)
         for kwargs, grid, aligned in bases:
             for combo in itertools.product(*(switches[n] for n in names)):
                 label = ", ".join(f"{n}={v}" for n, v in zip(names, combo))
-                out.append((f"derived {kernel.fn.__name__}({label})", kernel, dict(kwargs, **dict(zip(names, combo))),
-                            grid, aligned))
+                out.append((f"derived {kernel.fn.__name__}({label})", kernel,
+                            rule(dict(kwargs, **dict(zip(names, combo)))), grid, aligned))
     return out
 
 

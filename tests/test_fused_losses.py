@@ -168,19 +168,26 @@ def test_opcheck():
     g, w, f = torch.randn(2, 3), torch.randn(2), torch.empty(2, 3)
     aux, met = torch.rand(4, 2, 3), torch.empty(4)
     hl = torch.ops.humanline
-    grpo_scalars = (2, True, -1.5, 1.5, 0.8, 1.2, 0.1, 1.0, -100, 6, 0, 0)
+    grpo_scalars = (2, True, -1.5, 1.5, 0.8, 1.2, 0.1, 1.0, -100, 6, 0, 0, None)
+    # a token map (a packed batch, or a chunk of the supervised tokens only): logits row r is token tok[r]
+    x2, tok = x3.reshape(6, 40)[:4], torch.tensor([5, 0, 3, 2])
     cases = [
-        (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), torch.empty(2, 3), 1 / 0.9, -100, 6, 0, 0)),
-        (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), None, 1.0, -100, 6, 0, 0)),
+        (hl.logprobs_fwd_out, (x2, y, f, torch.empty(2, 3), None, 1.0, -100, 0, 0, 0, tok)),
+        (hl.logprobs_bwd_out, (x2, y, lse, g, w, -w, None, None, None, torch.empty_like(x2), 1.0, -100, 0, 0, 0,
+                               tok)),
+        (hl.token_terms_out, (x2, y, ref, None, torch.ones(2), w, torch.empty_like(x2), False, f, f.clone(),
+                              f.clone(), aux.clone(), *grpo_scalars[:-4], 0, 0, 0, tok)),
+        (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), torch.empty(2, 3), 1 / 0.9, -100, 6, 0, 0, None)),
+        (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), None, 1.0, -100, 6, 0, 0, None)),
         (hl.logprobs_bwd_out, (x3, y, lse, g, None, None, None, None, None, torch.empty_like(x3), 1 / 0.9, -100, 6,
-                               0, 0)),
+                               0, 0, None)),
         (hl.logprobs_bwd_out, (x3, y, lse, g, w, None, torch.tensor([1.5]), None, None, torch.empty_like(x3), 1.0,
-                               -100, 6, 0, 0)),
-        (hl.logprobs_bwd_out, (x3, y, lse, g, w, -w, None, None, None, torch.empty_like(x3), 1.0, -100, 6, 0, 0)),
+                               -100, 6, 0, 0, None)),
+        (hl.logprobs_bwd_out, (x3, y, lse, g, w, -w, None, None, None, torch.empty_like(x3), 1.0, -100, 6, 0, 0, None)),
         (hl.logprobs_bwd_out, (x3, y, lse, g, None, None, None, -g, g.abs(), torch.empty_like(x3), 1.0, -100, 6, 0,
-                               0)),
+                               0, None)),
         (hl.logprobs_bwd_inplace, (x.clone()[:, :-1], y, lse, g, w, None, torch.tensor([1.5]), None, None, None,
-                                   1.0, -100, 6, 0, 0)),
+                                   1.0, -100, 6, 0, 0, None)),
         (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor([2.0]))),
         (hl.token_terms_out, (x3, y, ref, None, torch.ones(2), None, None, False, f, f.clone(), f.clone(),
                               aux.clone(), *grpo_scalars)),

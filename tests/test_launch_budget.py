@@ -103,6 +103,12 @@ def _calls():
     four_chunks = dict(chunk_bytes=6 * 50 * 4, **nv)  # one row (6 tokens of V = 50 fp32 logits) a chunk
     two_rows = dict(chunk_bytes=2 * 6 * 50 * 4, **nv)  # one DPO pair a chunk
     kl_rows = (ref[:2], ref[:2] - 0.1, y[:2] != -100)  # made here: the call's own count is what is measured
+    B, T = y.shape
+    packed = hk.Packed([0, 6, 9, 15, 20])  # four sequences of 6, 3, 6 and 5 tokens
+    xp = x.detach()[:, :5].reshape(-1, x.shape[-1])[:20].clone().requires_grad_()
+    hp = h.detach()[:, :5].reshape(-1, h.shape[-1])[:20].clone().requires_grad_()
+    yp, rp = y[:, :5].reshape(-1)[:20], ref[:, :5].reshape(-1)[:20]
+    sup = [[2, T]] * B  # the completions: every row's positions 2..T-1
     # (call, inputs, budget, ceiling: today's count where the budget is not met yet, else None). Before issue 16:
     # token_logprobs 5, grpo 29, grpo(grad_in_forward) 33, dpo 46, kto 84; fused linear at one chunk: grpo 145,
     # dpo 112, kto 138.
@@ -138,6 +144,21 @@ def _calls():
         # lm_head, dh and dW GEMMs: 9 a chunk
         "fused_linear.dpo(2 chunks)": (lambda: hk.fused_linear.dpo(h, w, y, ref, **two_rows)[0], (h, w), 4 * 2 + 5,
                                        9 * 2 + 4),
+        # layouts (docs/fused_linear.md): a packed batch moves its labels and reference to the padded rows (a fill
+        # and a scatter each: + 4) and its kernels read a token map; the supervised tokens only also gather the
+        # labels and reference of the map (+ 2), zero-fill dh (+ 1) and gather each chunk's hidden rows and scatter
+        # their dh (+ 2 a chunk), and need one lm_head, dh and dW GEMM a chunk (DPO's dense chunks of some pairs
+        # need two): DPO in 2 chunks, 6 a chunk + 4 + 7 + 2 a chunk, a ceiling as the dense one's
+        "fused.dpo(packed)": (lambda: hk.fused.dpo(xp, yp, rp, packed=packed, **nv)[0], xp, 8 + 4, None),
+        "fused.grpo(packed)": (lambda: hk.fused.grpo(xp, yp, rp, adv, packed=packed, beta=0.04, **nv)[0], xp, 8 + 4,
+                               None),
+        "fused_linear.kto(packed)": (lambda: hk.fused_linear.kto(hp, w, yp, rp, des, *kl_rows, packed=packed,
+                                                                 **one_chunk)[0], (hp, w), 4 + 5 + 4, None),
+        "fused_linear.grpo(supervised)": (lambda: hk.fused_linear.grpo(h, w, y, ref, adv, supervised=sup,
+                                                                       **one_chunk)[0], (h, w), 4 + 5 + 2 + 7, None),
+        "fused_linear.dpo(supervised, 2 chunks)": (lambda: hk.fused_linear.dpo(h, w, y, ref, supervised=sup,
+                                                                               **two_rows)[0], (h, w),
+                                                   4 * 2 + 5 + 2 * 2 + 7, 6 * 2 + 4 + 7 + 2 * 2),
         "fused_linear.kto(4 chunks)": (lambda: hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **four_chunks)[0],
                                        (h, w), 4 * 4 + 5, 6 * 4 + 4),
     }

@@ -19,10 +19,13 @@ gathered or scattered per chunk.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
-__all__ = ["token_chunks", "row_chunks", "pair_chunks", "grpo_chunks", "loss_chunks", "max_rows_for", "impl",
-           "new_buffer", "chunks_buffer", "chunk_logits", "alloc_grads", "grads", "span"]
+__all__ = ["token_chunks", "row_chunks", "pair_chunks", "grpo_chunks", "loss_chunks", "map_chunks", "Mapped",
+           "max_rows_for", "impl", "new_buffer", "chunks_buffer", "gather_buffer", "chunk_logits", "kernel_segs",
+           "alloc_grads", "grads", "span"]
 
 
 def max_rows_for(V, dtype, chunk_bytes):
@@ -57,9 +60,50 @@ def new_buffer(numel, dtype, device):
     return torch.empty(numel, dtype=dtype, device=device)
 
 
+class Mapped(NamedTuple):
+    """A chunk of a token map (:class:`humanline_kernels._layout.TokenMap`: a packed batch, or the supervised
+    tokens only): map entries ``a..b``; ``source`` the hidden rows (a contiguous ``(s, e)`` range, or an int64 index
+    tensor, gathered for the GEMM), ``tokens`` their positions in the ``[S, T]`` planes (the row kernels' token map),
+    ``span`` the chunk's pairs (DPO) or rows (KTO) for its finalize launch."""
+
+    source: object
+    tokens: torch.Tensor
+    span: Optional[tuple]
+    n: int
+
+
 def size(segs):
     """Tokens in a chunk."""
+    if isinstance(segs, Mapped):
+        return segs.n
     return sum(e - s for s, e in segs)
+
+
+def kernel_segs(segs):
+    """What the row kernels address a chunk's buffer rows by: token ranges, or a token map."""
+    return segs.tokens if isinstance(segs, Mapped) else segs
+
+
+def map_chunks(name, tm, max_rows):
+    """Chunks of a token map, slices of it in map order: any ``max_rows`` tokens (GRPO, the sequence sums, plain
+    log-probs: name ``"grpo"``, ``"sequence"`` or ``"tokens"``), whole rows (KTO) or whole pairs (DPO: the map lists
+    row ``j`` then row ``P + j``, pair by pair), at least one row or pair even above the budget."""
+    if name in ("dpo", "kto"):
+        runs, step = tm.runs(), 2 if name == "dpo" else 1
+        units = [(runs[i][1], runs[i + step - 1][2]) for i in range(0, len(runs), step)]  # pair j / row r: k
+        out, k0 = [], 0
+        for k in range(len(units)):
+            if k + 1 == len(units) or units[k + 1][1] - units[k0][0] > max_rows:
+                out.append(_mapped(tm, units[k0][0], units[k][1], (k0, k + 1)))
+                k0 = k + 1
+        return out or [_mapped(tm, 0, 0, (0, 0))]
+    M = tm.M
+    return [_mapped(tm, a, min(M, a + max_rows), None) for a in range(0, M, max_rows)] or [_mapped(tm, 0, 0, None)]
+
+
+def _mapped(tm, a, b, span):
+    src = (a, b) if tm.source is None else tm.source[a:b]
+    return Mapped(src, tm.plane[a:b], span, b - a)
 
 
 def impl(kernels):
@@ -78,6 +122,21 @@ def impl(kernels):
 def chunks_buffer(chunks, V, dtype, device):
     """The buffer for the largest chunk's ``[n, V]`` logits."""
     return new_buffer(max(map(size, chunks), default=0) * V, dtype, device)
+
+
+def gather_buffer(chunks, h2):
+    """The buffer for the largest gathered chunk's ``[n, D]`` hidden rows (and, in the backward, its ``dh``), or
+    None when no chunk gathers."""
+    n = max((c.n for c in chunks if isinstance(c, Mapped) and isinstance(c.source, torch.Tensor)), default=0)
+    return torch.empty((n, h2.shape[1]), dtype=h2.dtype, device=h2.device) if n else None
+
+
+def _rows_of(h2, segs, gbuf):
+    """The chunk's hidden rows: a slice, or gathered into ``gbuf``."""
+    src = segs.source
+    if isinstance(src, tuple):
+        return h2[src[0]:src[1]]
+    return torch.index_select(h2, 0, src, out=gbuf[:segs.n])
 
 
 _F32_ADDMM = {}
@@ -120,22 +179,31 @@ def _addmm_f32(acc, a, b, beta):
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
-def alloc_grads(h2, weight, bias, chunks, need):
-    """``dh`` (input dtype), fp32 ``dW`` and ``db`` (not zero-filled when a first chunk overwrites them)."""
+def alloc_grads(h2, weight, bias, chunks, need, sparse=False):
+    """``dh`` (input dtype), fp32 ``dW`` and ``db`` (not zero-filled when a first chunk overwrites them; ``dh``
+    zero-filled when the chunks skip rows: ``sparse``, a map of the supervised tokens only)."""
     N, D = h2.shape
     V = weight.shape[0]
     acc = torch.float64 if h2.dtype == torch.float64 else torch.float32
-    dh = torch.empty_like(h2) if need[0] else None
+    dh = (torch.zeros_like if sparse else torch.empty_like)(h2) if need[0] else None
     dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=acc, device=h2.device) if need[1] else None
     db = (torch.empty if chunks else torch.zeros)(V, dtype=acc, device=h2.device) if bias is not None and need[2] \
         else None
     return dh, dw, db
 
 
-def chunk_logits(buf, h2, wt, bias, segs):
-    """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, one GEMM a token range."""
+def chunk_logits(buf, h2, wt, bias, segs, gbuf=None):
+    """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, one GEMM a token range (a mapped
+    chunk: one GEMM on its rows, gathered into ``gbuf`` unless contiguous)."""
     V = wt.shape[1]
     z = buf[:size(segs) * V].view(-1, V)
+    if isinstance(segs, Mapped):
+        h = _rows_of(h2, segs, gbuf)
+        if bias is None:
+            torch.mm(h, wt, out=z)
+        else:
+            torch.addmm(bias, h, wt, out=z)
+        return z
     o = 0
     for s, e in segs:
         if bias is None:
@@ -146,8 +214,24 @@ def chunk_logits(buf, h2, wt, bias, segs):
     return z
 
 
-def grads(h2, weight, segs, z, dh, dw, db, first):
-    """``dh[c] = dz W``, ``dW += dz^T h_c``, ``db += sum_rows dz`` for the chunk whose logits gradient is in ``z``."""
+def grads(h2, weight, segs, z, dh, dw, db, first, gbuf=None):
+    """``dh[c] = dz W``, ``dW += dz^T h_c``, ``db += sum_rows dz`` for the chunk whose logits gradient is in ``z``
+    (a gathered chunk: ``h_c`` is still in ``gbuf`` from :func:`chunk_logits`; its ``dh`` goes there next, then to
+    its rows of ``dh``)."""
+    if isinstance(segs, Mapped):
+        src = segs.source
+        gathered = not isinstance(src, tuple)
+        if dw is not None:
+            h = gbuf[:segs.n] if gathered else h2[src[0]:src[1]]
+            _addmm_f32(dw, z.t(), h, beta=0 if first else 1)
+        if dh is not None:
+            if gathered:
+                torch.mm(z, weight, out=gbuf[:segs.n])
+                dh.index_copy_(0, src, gbuf[:segs.n])
+            else:
+                torch.mm(z, weight, out=dh[src[0]:src[1]])
+        _db(z, db, first)
+        return
     o = 0
     for i, (s, e) in enumerate(segs):
         dz = z[o:o + e - s]
@@ -156,6 +240,10 @@ def grads(h2, weight, segs, z, dh, dw, db, first):
         if dw is not None:
             _addmm_f32(dw, dz.t(), h2[s:e], beta=0 if first and i == 0 else 1)
         o += e - s
+    _db(z, db, first)
+
+
+def _db(z, db, first):
     if db is not None:
         if first:  # overwrite: db is not zero-filled first
             torch.sum(z, 0, dtype=db.dtype, out=db)
@@ -165,6 +253,8 @@ def grads(h2, weight, segs, z, dh, dw, db, first):
 
 def span(name, segs, T):
     """The pairs (DPO) or rows (KTO) of a chunk, for its finalize launch."""
+    if isinstance(segs, Mapped):
+        return segs.span
     (s, e), *_ = segs
     if name == "dpo":  # chosen rows first; merged with their partners when the chunk holds every pair
         return s // T, s // T + size(segs) // (2 * T)

@@ -39,6 +39,10 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
     if segs is not None:
         idx = chunk_tokens(segs, logits.device)
         n, V = logits.shape
+        if out is None:  # (zeros: the positions no row maps to)
+            z = dict(dtype=_acc_dtype(logits), device=logits.device)
+            out = (torch.zeros(labels.shape, **z), torch.zeros(labels.shape, **z),
+                   torch.zeros(labels.shape, **z) if return_entropy else None)
         res = logprobs_fwd(logits.view(1, n, V), labels.reshape(-1)[idx].view(1, n), temperature, ignore_index,
                            return_entropy)
         for dst, src in zip(out, res):

@@ -32,6 +32,14 @@ def block_config(x: torch.Tensor) -> tuple[int, int]:
     return _block_config(x.shape[-1], x.element_size(), x.device.type in COMPILED_DEVICES)
 
 
+def fwd_block(x: torch.Tensor, entropy: bool, token_map: bool) -> int:
+    """``BLOCK_V`` of the forward kernel: :func:`block_config`'s, halved for the entropy variant with a token map
+    (at 8 KiB, triton 3.6 spilled 8 bytes for sm_80 with bf16 logits). The compile gate derives the block of every
+    flag combination through this function too."""
+    block = block_config(x)[0]
+    return max(block // 2, 1) if entropy and token_map and x.device.type in COMPILED_DEVICES else block
+
+
 @functools.lru_cache(maxsize=None)
 def _block_config(V, element_size, compiled):  # (asked on every launch: looked up, not recomputed)
     if compiled:
@@ -113,38 +121,42 @@ def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
 
 
 @jit
-def _token(r, n0, off0, off1):
+def _token(r, n0, off0, off1, tok_ptr, TOKEN_MAP: tl.constexpr):
     """Token ``q`` (int64) of the ``[B, T]`` inputs and outputs for row ``r`` of the logits: ``r + off0`` for the
-    first ``n0`` rows, ``r + off1`` after them. The logits-level ops pass ``(N, 0, 0)`` (``q = r``); a fused-linear
-    chunk (logits in a buffer of its own) passes its token ranges, at most two (a DPO chunk: chosen rows, then
-    their rejected partners)."""
+    first ``n0`` rows, ``r + off1`` after them, or with ``TOKEN_MAP`` the map's entry ``tok[r]``. The dense
+    logits-level ops pass ``(N, 0, 0)`` (``q = r``); a fused-linear chunk (logits in a buffer of its own) passes its
+    token ranges, at most two (a DPO chunk: chosen rows, then their rejected partners); a packed batch, or a chunk
+    of the supervised tokens only, passes the map (any rows to any tokens: docs/fused_linear.md)."""
     r64 = r.to(tl.int64)
+    if TOKEN_MAP:
+        return tl.load(tok_ptr + r64).to(tl.int64)
     return r64 + tl.where(r64 < n0, off0, off1)
 
 
 @jit
-def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t, ignore_index, BLOCK_V: tl.constexpr,
-              ENTROPY: tl.constexpr):
-    """Logits row ``r`` (label of token ``q``): ``(row pointer, label, valid, lse, sum p*z, logp)``;
+def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr, T, V, inv_t, ignore_index,
+              BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, TOKEN_MAP: tl.constexpr):
+    """Logits row ``r``, its token ``q`` (:func:`_token`): ``(row pointer, q, label, valid, lse, sum p*z, logp)``;
     ``logp = z_y - lse``, 0 where ignored."""
     base = _row_base(x_ptr, r, T, x_sb, x_st)
     lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
-    # the label after the sweep: nothing but the row pointer and q stays live across it (the entropy variant
-    # spilled under triton 3.6 with the label loaded first)
+    # the token and its label after the sweep: nothing but the row pointer stays live across it (the entropy
+    # variant spilled under triton 3.6 with the label, and with the token map's entry, loaded first)
+    q = _token(r, n0, off0, off1, tok_ptr, TOKEN_MAP)
     y = tl.load(_row_base(y_ptr, q, T, y_sb, y_st))
     valid = y != ignore_index
     zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32) * inv_t
-    return base, y, valid, lse, pz, tl.where(valid, zy - lse, 0.0)
+    return base, q, y, valid, lse, pz, tl.where(valid, zy - lse, 0.0)
 
 
 @jit(do_not_specialize=["n0", "off0", "off1"])
-def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, T, V, inv_t,
-                         ignore_index, n0, off0, off1, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
+def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, tok_ptr, T, V, inv_t,
+                         ignore_index, n0, off0, off1, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr,
+                         TOKEN_MAP: tl.constexpr):
     """Logits row ``r``, token ``q`` (:func:`_token`): ``logp``, ``lse`` (and the entropy) of token ``q``."""
     r = tl.program_id(0)
-    q = _token(r, n0, off0, off1)
-    _base, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t,
-                                                ignore_index, BLOCK_V, ENTROPY)
+    _base, q, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
+                                                   T, V, inv_t, ignore_index, BLOCK_V, ENTROPY, TOKEN_MAP)
     tl.store(logp_ptr + q, logp)
     tl.store(lse_ptr + q, lse)
     if ENTROPY:
@@ -153,8 +165,9 @@ def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr
 
 @jit(do_not_specialize=["n0", "off0", "off1"])
 def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, w2_ptr, go_ptr, gh_ptr, h_ptr,
-                         o_ptr, o_sb, o_st, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go,
-                         BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr):
+                         o_ptr, o_sb, o_st, tok_ptr, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go,
+                         BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
+                         TOKEN_MAP: tl.constexpr):
     """Logits row ``r``, token ``q`` (:func:`_token`): ``g = g[q]``, or with ``ROW_WEIGHT`` (the fused losses and
     the sequence sums) ``g = go * (w[b] * g[q] + w2[b])``: ``g[q]`` the token's ``coef``, ``w[b]`` its row's
     ``d loss / d val``, ``w2[b]`` (when ``has_w2``) its row's ``d loss / d logp`` of a term in the plain log-probs
@@ -162,7 +175,7 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w
     (the backward is this one launch). With ``ENTROPY`` the token's entropy ``h[q]`` has the upstream gradient
     ``gh[q]`` too (a differentiable entropy: the entropy bonus of GRPO)."""
     r = tl.program_id(0)
-    q = _token(r, n0, off0, off1)
+    q = _token(r, n0, off0, off1, tok_ptr, TOKEN_MAP)
     base = _row_base(x_ptr, r, T, x_sb, x_st)
     out_base = _row_base(o_ptr, r, T, o_sb, o_st)
     y = tl.load(_row_base(y_ptr, q, T, y_sb, y_st))
@@ -207,37 +220,44 @@ def logits_rows(x, T):
 
 
 def chunk_rows(segs, N):
-    """``(n0, off0, off1)`` for :func:`_token`: the whole batch (``segs`` None: logits row ``r`` is token ``r`` of
-    the ``N`` tokens), or a fused-linear chunk's token ranges ``((s0, e0), [(s1, e1)])`` (its ``[n, V]`` buffer
-    holds the tokens ``s0..e0``, then ``s1..e1``)."""
+    """``(n0, off0, off1, tok)`` for :func:`_token`: the whole batch (``segs`` None: logits row ``r`` is token ``r``
+    of the ``N`` tokens), a fused-linear chunk's token ranges ``((s0, e0), [(s1, e1)])`` (its ``[n, V]`` buffer
+    holds the tokens ``s0..e0``, then ``s1..e1``), or a token map (an int64 tensor: row ``r`` is token ``segs[r]``)."""
     if segs is None:
-        return N, 0, 0
+        return N, 0, 0, None
+    if isinstance(segs, Tensor):
+        return 0, 0, 0, segs
     (s0, e0), *rest = segs
     n0 = e0 - s0
     if not rest:
-        return n0, s0, s0
+        return n0, s0, s0, None
     (s1, _e1), = rest
-    return n0, s0, s1 - n0
+    return n0, s0, s1 - n0, None
 
 
 @custom_op("logprobs_fwd_out", mutates_args=("logp", "lse", "ent"))
 def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Optional[Tensor], inv_t: float,
-             ignore_index: int, n0: int, off0: int, off1: int) -> None:
+             ignore_index: int, n0: int, off0: int, off1: int, tok: Optional[Tensor]) -> None:
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
     if rows == 0:
         return
-    block, warps = block_config(logits)
+    block, warps = fwd_block(logits, ent is not None, tok is not None), block_config(logits)[1]
     with device_guard(logits):
         launcher(_logprobs_fwd_kernel, logits)[(rows,)](
             # data
             x_ptr=logits, y_ptr=labels, logp_ptr=logp, lse_ptr=lse, ent_ptr=logp if ent is None else ent,
+            tok_ptr=labels if tok is None else tok,
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1),
-            # sizes, scalars and the chunk's token ranges
+            # sizes, scalars and the chunk's token ranges or map
             T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
             # constants
-            BLOCK_V=block, ENTROPY=ent is not None, num_warps=warps)
+            BLOCK_V=block, ENTROPY=ent is not None, TOKEN_MAP=tok is not None, num_warps=warps)
+
+
+def _like(t):
+    return dict(dtype=t.dtype, device=t.device)
 
 
 def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=None, segs=None):
@@ -247,8 +267,9 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
     ``out`` the whole batch's (:func:`chunk_rows`); ``out`` is required then."""
     if out is None:
         B, T = labels.shape
-        logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)
-        out = logp, torch.empty_like(logp), torch.empty_like(logp) if return_entropy else None
+        alloc = torch.zeros if isinstance(segs, Tensor) else torch.empty  # a token map may skip positions
+        logp = alloc((B, T), dtype=torch.float32, device=logits.device)
+        out = logp, alloc((B, T), **_like(logp)), alloc((B, T), **_like(logp)) if return_entropy else None
     logp, lse, ent = out
     _fwd_out(logits, labels, logp, lse, ent, 1.0 / temperature, ignore_index, *chunk_rows(segs, labels.numel()))
     return logp, lse, ent
@@ -256,7 +277,7 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
 
 def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optional[Tensor], w2: Optional[Tensor],
                 go: Optional[Tensor], gh: Optional[Tensor], h: Optional[Tensor], out: Optional[Tensor], inv_t: float,
-                ignore_index: int, n0: int, off0: int, off1: int) -> None:
+                ignore_index: int, n0: int, off0: int, off1: int, tok: Optional[Tensor]) -> None:
     out = logits if out is None else out  # None: in place
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
@@ -269,14 +290,15 @@ def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optio
             # data
             x_ptr=logits, y_ptr=labels, lse_ptr=lse, g_ptr=g, w_ptr=g if w is None else w,
             w2_ptr=g if w2 is None else w2, go_ptr=g if go is None else go, gh_ptr=g if gh is None else gh,
-            h_ptr=g if h is None else h, o_ptr=out,
+            h_ptr=g if h is None else h, o_ptr=out, tok_ptr=labels if tok is None else tok,
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), o_sb=o_sb, o_st=o_st,
-            # sizes, scalars and the chunk's token ranges
+            # sizes, scalars and the chunk's token ranges or map
             T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
             has_w2=int(w2 is not None), has_go=int(go is not None),
             # constants
-            BLOCK_V=block, ROW_WEIGHT=w is not None, ENTROPY=gh is not None, num_warps=warps)
+            BLOCK_V=block, ROW_WEIGHT=w is not None, ENTROPY=gh is not None, TOKEN_MAP=tok is not None,
+            num_warps=warps)
 
 
 # one launcher, two ops: into a new buffer, or over the logits (out=None; a mutated argument of an op may not alias

@@ -62,9 +62,12 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
         for dst, src in zip(out, res):
             dst.copy_(src)
         return out
-    # a fused-linear chunk: its [n, V] buffer holds the tokens idx of the whole batch's [B, T] tensors
+    # a fused-linear chunk or a packed batch: its [n, V] rows hold the tokens idx of the whole batch's [B, T] tensors
     idx = logprobs_eager.chunk_tokens(segs, logits.device)
     n, V = logits.shape
+    if out is None:  # (zeros: the positions no row maps to)
+        dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        out = tuple(torch.zeros(shape, dtype=dt, device=logits.device) for shape in ((B, T),) * 3 + ((4, B, T),))
 
     def pick(t):
         return None if t is None else t.reshape(-1)[idx].view(1, n)

@@ -35,7 +35,6 @@ from ..logprobs.kernel import (
     _row_grad_store,
     _row_logp,
     _row_zero,
-    _token,
     block_config,
     chunk_rows,
     device_guard,
@@ -53,14 +52,15 @@ def _clamp(x, lo, hi):
 
 @jit(do_not_specialize=["N", "n0", "off0", "off1", "adv_sb", "adv_st"])
 def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr,
-                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, N, T, V, inv_t, ignore_index, clip_lo,
-                        clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr, MODE: tl.constexpr,
-                        CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
+                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, T, V, inv_t, ignore_index,
+                        clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr,
+                        MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr,
+                        TOKEN_MAP: tl.constexpr):
     r = tl.program_id(0)  # row of the logits and of the gradient output
-    q = _token(r, n0, off0, off1)  # token of the [B, T] inputs and outputs
     plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
-    base, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, q, T, V, inv_t,
-                                               ignore_index, BLOCK_V, False)
+    # q: the token of the [B, T] inputs and outputs (:func:`_token`)
+    base, q, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
+                                                  T, V, inv_t, ignore_index, BLOCK_V, False, TOKEN_MAP)
     delta = logp - tl.load(ref_ptr + q)
     if CLIP:
         dh = _clamp(delta, clip_lo, clip_hi)
@@ -114,7 +114,7 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
                   w: Optional[Tensor], grad: Optional[Tensor], grad_inplace: bool, val: Tensor, coef: Tensor,
                   lse: Tensor, aux: Tensor, row_mode: int, clip_on: bool, clip_lo: float, clip_hi: float,
                   rho_lo: float, rho_hi: float, beta: float, inv_t: float, ignore_index: int, n0: int, off0: int,
-                  off1: int) -> None:
+                  off1: int, tok: Optional[Tensor]) -> None:
     # (no argument may be called "mode": the dispatcher's mode redirection takes that keyword)
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
@@ -129,17 +129,17 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
             # data (unused pointers get ref: no variant of their own)
             x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if klref is None else klref,
             adv_ptr=adv if grpo else ref, w_ptr=ref if w is None else w, g_ptr=g,
-            val_ptr=val, coef_ptr=coef, lse_ptr=lse, aux_ptr=aux,
+            val_ptr=val, coef_ptr=coef, lse_ptr=lse, aux_ptr=aux, tok_ptr=labels if tok is None else tok,
             # strides (advantages [B] have a zero token stride)
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1),
             adv_sb=adv.stride(0) if grpo else 0, adv_st=adv.stride(1) if grpo and adv.dim() == 2 else 0,
             g_sb=g_sb, g_st=g_st,
-            # sizes, scalars and the chunk's token ranges
+            # sizes, scalars and the chunk's token ranges or map
             N=aux.stride(0), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, clip_lo=clip_lo,
             clip_hi=clip_hi, rho_lo=rho_lo, rho_hi=rho_hi, beta=beta, n0=n0, off0=off0, off1=off1,
             # constants
             BLOCK_V=block, MODE=row_mode, CLIP=clip_on, HAS_KL_REF=klref is not None,
-            GRAD=grad_inplace or grad is not None, num_warps=warps)
+            GRAD=grad_inplace or grad is not None, TOKEN_MAP=tok is not None, num_warps=warps)
 
 
 # one launcher, two ops: the gradient into a buffer of its own or over the logits (a mutated argument of an op may
@@ -168,8 +168,10 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
     B, T = labels.shape
     if out is None:
         f32 = dict(dtype=torch.float32, device=logits.device)
+        # every plane is written by the kernel, except under a token map (a packed batch) the padding positions,
+        # whose labels are ignore_index: the finalize and backward kernels never read them
         val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
-        out = val, coef, lse, torch.empty((4, B, T), **f32)  # every plane is written by the kernel
+        out = val, coef, lse, torch.empty((4, B, T), **f32)
     grpo = p.mode == MODE_GRPO
     klref = _f32(inp.kl_ref_logps) if grpo else None
     adv = inp.advantages.to(torch.float32) if grpo else None
