@@ -245,3 +245,102 @@ def test_missing_vllm_weight_is_a_clear_error(pairs):
     with pytest.raises(ValueError, match="importance_sampling_ratio"):
         ours.compute_loss(ours.model, inputs)
     _configure(ours, {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# humanline on: TRL's formula for each option, with its log-ratio replaced by the clamped one against the reference
+
+
+@pytest.fixture(scope="module")
+def humanline_trainer(tiny_path):  # noqa: F811
+    kw = dict(COMMON, **GRPO_KW, output_dir=tiny_path + "/opts-hl", max_steps=1, beta=0.05)
+    tr = HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
+                              args=HumanlineGRPOConfig(**kw, fused="off", log_eps_p=-0.3, log_eps_r=0.3),
+                              processing_class=tiny.tiny_tokenizer())
+    with torch.no_grad():  # the policy away from its reference, so that the clamp binds on some tokens
+        for p in tr.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return tr
+
+
+def _expected_humanline_loss(tr, inputs, captured, case):
+    """hk.reference.grpo on the trainer's own per-token outputs: the policy's log-probs and entropies, the reference
+    model's log-probs as the denominator (clamped), TRL's options and normalisation."""
+    logps, entropies, _ = captured[tr.model]
+    ref = captured[tr.ref_model][0]
+    accum = case.get("current_gradient_accumulation_steps", 1)
+    normalizer, scale, coef = None, 1.0 / accum, case.get("entropy_coef", 0.0)
+    if tr.loss_type in ("dapo", "cispo", "vespo"):
+        normalizer = inputs["num_items_in_batch"].float() * accum / case.get("steps_per_generation", 1)
+        scale, coef = 1.0, coef / accum
+    mask = inputs["completion_mask"].bool()
+    old = inputs["old_per_token_logps"]
+    options = {k: case[k] for k in ("delta", "top_entropy_quantile", "off_policy_mask_threshold",
+                                    "importance_sampling_level", "use_adaptive_entropy", "last_world_entropy",
+                                    "entropy_target") if k in case}
+    if "off_policy_mask_threshold" in case:
+        options["sampling_per_token_logps"] = inputs.get("sampling_per_token_logps", old)
+    loss, _ = hk.reference.grpo(
+        logps, ref, inputs["advantages"], mask, clip=tr.hk_clip, beta=tr.beta, epsilon_low=0.2,
+        epsilon_high=case["epsilon_high"], loss_type=case["loss_type"], normalizer=normalizer,
+        max_completion_length=tr.max_completion_length, tool_mask=inputs.get("tool_mask"), entropies=entropies,
+        importance_sampling_ratio=inputs.get("importance_sampling_ratio"), entropy_coef=coef,
+        use_bias_correction_kl=case.get("use_bias_correction_kl", True), **options)
+    return loss * scale
+
+
+HUMANLINE_CASES = {
+    "plain": {},
+    "sequence_level_no_bias_correction": dict(importance_sampling_level="sequence", use_bias_correction_kl=False),
+    "all": dict(off_policy_mask_threshold=0.01, sampling=True, top_entropy_quantile=0.6, entropy_coef=0.02,
+                tool_mask=True, adv_BT=True, is_mode="token_mask", current_gradient_accumulation_steps=2,
+                steps_per_generation=2),
+    "off_policy_old": dict(off_policy_mask_threshold=0.0),  # the old log-probs as the sampler's (TRL's fallback)
+}
+
+
+@pytest.mark.parametrize("case_name", list(HUMANLINE_CASES))
+@pytest.mark.parametrize("loss_type", TYPES)
+def test_humanline_options_are_trls_formula_on_the_clamped_ratio(pairs, humanline_trainer, loss_type, case_name):
+    tr = humanline_trainer
+    _, _, (base, extra) = pairs["off"]
+    case = dict(HUMANLINE_CASES[case_name], loss_type=loss_type, epsilon_high=_eps(loss_type))
+    if case_name == "all" and loss_type in PPO_CLIP:
+        case["delta"] = 1.15
+    inputs = _case_inputs(base, extra, case)
+    captured, per_token = {}, type(tr)._get_per_token_logps_and_entropies
+
+    def capture(model, *args, **kwargs):
+        captured[model] = per_token(tr, model, *args, **kwargs)
+        return captured[model]
+    _configure(tr, case)
+    tr.model.train()
+    tr._get_per_token_logps_and_entropies = capture
+    try:
+        loss = tr.compute_loss(tr.model, inputs)
+    finally:
+        del tr._get_per_token_logps_and_entropies
+    assert captured.keys() == {tr.model, tr.ref_model}  # one reference forward (at training time), one policy's
+    want = _expected_humanline_loss(tr, inputs, captured, case)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
+    frac = tr._metrics["train"]["humanline/unclipped_frac"][-1]
+    assert 0.0 < frac < 1.0  # the clamp binds on some tokens and not on others
+
+
+@pytest.mark.parametrize("fused", ["logits", "linear"])
+def test_entropy_extras_cost_no_extra_vocabulary_pass(pairs, monkeypatch, fused):
+    """The high-entropy mask and the entropy bonus read the entropy of the log-prob pass: one head call per
+    micro-batch, with the entropy (item 3 of issue 37)."""
+    _needs_differentiable_entropy(fused)
+    _, ours, (base, extra) = pairs[fused]
+    owner, name = (hk, "token_logprobs") if fused == "logits" else (hk.fused_linear, "token_logprobs")
+    calls, real = [], getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("return_entropy", False))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counting)
+    _configure(ours, dict(top_entropy_quantile=0.5, entropy_coef=0.03, loss_type="grpo"))
+    ours.model.train()
+    _run(ours, _case_inputs(base, extra, {}))
+    assert calls == [True]
