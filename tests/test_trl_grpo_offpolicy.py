@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 import humanline_kernels as hk  # noqa: E402
 import humanline_kernels.integrations.trl as hk_trl  # noqa: E402
 from humanline_kernels.integrations.trl import HumanlineGRPOConfig, HumanlineGRPOTrainer  # noqa: E402
+from humanline_kernels.integrations.trl._grpo_lookahead import BufferLookahead  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS)
 
@@ -170,3 +171,43 @@ def test_bad_settings_are_refused(tiny_path):
         with pytest.raises(ValueError, match=match):
             HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, train_dataset=grpo_data(),
                                  processing_class=tok, args=HumanlineGRPOConfig(**kw, **bad))
+
+
+def test_peft_policy_lookahead_matches_its_reference_adapter(tiny_path):
+    """A PEFT policy: "sync" keeps a synced "ref" adapter, "lookahead" none (its crossing snapshot holds the adapter
+    weights only); the same training."""
+    peft = pytest.importorskip("peft")
+    losses = {}
+    for reference in ("sync", "lookahead"):
+        args = HumanlineGRPOConfig(**COMMON, **GRPO_KW, output_dir=f"{tiny_path}/peft-{reference}", max_steps=6,
+                                   learning_rate=5e-2, steps_per_generation=4, sync_every=2, fused="off",
+                                   humanline_reference=reference, log_eps_p=-0.05, log_eps_r=0.05)
+        tr = HumanlineGRPOTrainer(tiny_path, reward_funcs=digit_reward, args=args, train_dataset=grpo_data(),
+                                  processing_class=tiny.tiny_tokenizer(),
+                                  peft_config=peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+        assert ("ref" in tr.model.peft_config) == (reference == "sync")
+        if reference == "lookahead":
+            tr.train = _checking_snapshot_size(tr)
+        torch.manual_seed(0)
+        tr.train()
+        losses[reference] = [h["loss"] for h in tr.state.log_history if "loss" in h]
+    assert len(losses["sync"]) == 6 and losses["lookahead"] == losses["sync"]
+
+
+def _checking_snapshot_size(tr):
+    """``tr.train`` that checks that every crossing snapshot holds the trainable (adapter) parameters only."""
+    train, sizes, real_window = tr.train, [], BufferLookahead._window
+    adapter = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
+
+    def window(self, *args):
+        real_window(self, *args)
+        if self.snapshot is not None:
+            sizes.append(sum(v.numel() for v in self.snapshot[1]))
+
+    def run(*a, **k):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(BufferLookahead, "_window", window)
+            out = train(*a, **k)
+        assert sizes and set(sizes) == {adapter}, (sizes, adapter)
+        return out
+    return run
