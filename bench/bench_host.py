@@ -1,6 +1,9 @@
 """Host cost of one loss call: kernel launches, CPU enqueue time and GPU time, forward + backward.
 
-``python -m bench host [--quick] [--out DIR] [--n N] [--vocab V] [--d D]``
+``python -m bench host [--quick] [--out DIR] [--n N] [--vocab V] [--d D]``;
+``python -m bench host --proxy [--calls C] [--repeats R] [--out DIR]``: the host's glue without a GPU (see
+:mod:`bench.host_proxy`: the compiled-kernel branch on tiny CPU tensors, every Triton launch stubbed, against a
+minimal ``autograd.Function`` measured in the same run).
 
 For each logits-level loss (and ``token_logprobs``) at ``N`` tokens x ``V`` (default 8192 x 32000, bf16) and each
 fused-linear loss at ``D`` (default 2048): the number of device kernels one forward + backward launches (torch
@@ -109,14 +112,48 @@ def run(N, V, D, *, quick, out_dir):
     return common.save("host" + ("_quick" if quick else ""), rows, meta, out_dir, bar="cpu_over_gpu")
 
 
+# the design's host targets for the proxy, as ratios to the floor (docs/design.md)
+PROXY_TARGETS = {"logits": 1.5, "validate": 0.4, "fused_linear": 2.5}
+
+
+def proxy_target(name):
+    """The proxy's target ratio for an entry point (None for the floor and the peers)."""
+    if name == "floor" or name.startswith("liger"):
+        return None
+    if name.startswith("fused_linear"):
+        return PROXY_TARGETS["fused_linear"] if "chunks" not in name and "a chunk" not in name else None
+    return PROXY_TARGETS["logits"] + (PROXY_TARGETS["validate"] if "validate" in name else 0.0)
+
+
+def run_proxy(calls, repeats, out_dir):
+    from . import host_proxy
+    rows, meta = host_proxy.measure(calls=calls, repeats=repeats, progress=lambda s: print(s, flush=True))
+    liger = [r["us_median"] for r in rows if r["impl"] == "liger triton_grpo_loss"]
+    for r in rows:
+        r["target"] = proxy_target(r["impl"])
+        r["meets_target"] = None if r["target"] is None else r["ratio"] <= r["target"]
+        r["vs_liger_grpo"] = r["us_median"] / liger[0] if liger else None
+    meta["what"] = ("us per forward + backward of tiny CPU tensors, every Triton launch stubbed; ratio to a minimal "
+                    "autograd.Function (floor) in the same run")
+    return common.save("host_proxy", rows, meta, out_dir, bar="ratio", logx=True, target="target")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench host", description=__doc__.split("\n")[0])
+    p.add_argument("--proxy", action="store_true", help="the host's glue on CPU, launches stubbed (no GPU needed)")
+    p.add_argument("--calls", type=int, default=200, help="--proxy: calls per timed window (default 200)")
+    p.add_argument("--repeats", type=int, default=15, help="--proxy: timed windows per entry point (default 15)")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke of the harness")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--n", type=int, default=None, help="tokens (default 8192; 64 with --quick)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32000; 500 with --quick)")
     p.add_argument("--d", type=int, default=None, help="hidden size of the fused-linear calls (default 2048)")
     a = p.parse_args(argv)
+    if a.proxy:
+        if a.calls < 1 or a.repeats < 1:
+            p.error("--calls and --repeats must be positive")
+        run_proxy(a.calls, a.repeats, a.out)
+        return 0
     N = a.n or (64 if a.quick else 8192)
     V = a.vocab or (500 if a.quick else 32000)
     D = a.d or (32 if a.quick else 2048)

@@ -86,12 +86,14 @@ def copy_bandwidth_bytes_per_ms(nbytes=1 << 30, device=None) -> float:
 
 
 def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None = None, y: str = "ratio_to_floor",
-         series: str = "impl", bar: str | tuple | None = None, label: tuple = ()) -> str:
+         series: str = "impl", bar: str | tuple | None = None, label: tuple = (), logx: bool = False,
+         target: str | None = None) -> str:
     """Print ``rows`` as a table, write ``out_dir/name.json`` and a PNG, and print the paths written.
 
     The PNG is a line plot of ``y`` against ``x`` per ``series`` or, with ``bar``, horizontal bars of that column
-    (a tuple of columns: one panel each, side by side) labelled by ``series`` and the ``label`` columns; without
-    matplotlib it is skipped, and said so."""
+    (a tuple of columns: one panel each, side by side) labelled by ``series`` and the ``label`` columns, on a log
+    axis with ``logx``, each row's ``target`` column (when given and set) marked on its bar; without matplotlib it
+    is skipped, and said so."""
     os.makedirs(out_dir, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     widths = {k: max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys}
@@ -112,10 +114,17 @@ def save(name: str, rows: list[dict], meta: dict, out_dir: str, *, x: str | None
         bars = (bar,) if isinstance(bar, str) else tuple(bar)
         fig, axes = plt.subplots(1, len(bars), figsize=(8 * len(bars) ** 0.5, 0.3 * len(rows) + 1.2), squeeze=False)
         for ax, col in zip(axes[0], bars):
-            pts = [(" ".join(str(r.get(k)) for k in (series, *label)), r[col]) for r in rows
-                   if r.get(col) is not None]
-            ax.barh([n for n, _ in pts][::-1], [v for _, v in pts][::-1])
-            ax.set_xlabel(col)
+            shown = [r for r in rows if r.get(col) is not None][::-1]
+            names = [" ".join(str(r.get(k)) for k in (series, *label)) for r in shown]
+            ax.barh(names, [r[col] for r in shown])
+            marks = [(n, r[target]) for n, r in zip(names, shown) if target and r.get(target) is not None]
+            if marks:
+                ax.scatter([v for _, v in marks], [n for n, _ in marks], marker="|", s=300, color="red",
+                           zorder=3, label=target)
+                ax.legend(fontsize=7)
+            if logx:
+                ax.set_xscale("log")
+            ax.set_xlabel(col + (" (log scale)" if logx else ""))
     else:
         fig, ax = plt.subplots(figsize=(7, 4))
         styles = [(m, ls) for ls in ("-", "--", ":") for m in ("o", "s", "^", "D")]  # tell 10+ series apart

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import ClassVar, NamedTuple, Optional
 
 from torch import Tensor
@@ -69,8 +68,8 @@ class Loss(Tokens):
     mode: ClassVar[int] = MODE_RATIO
     Inputs: ClassVar[type] = NoInputs
 
-    @cached_property
-    def terms(self) -> tuple:
+    @property
+    def terms(self) -> tuple:  # (a property, not functools.cached_property: that one locks on Python 3.11)
         """The row kernel's scalars: ``(mode, clip_on, clip_lo, clip_hi, rho_lo, rho_hi, beta, inv_t,
         ignore_index)``; ``rho_*`` and ``beta`` are GRPO's (PPO band and k3 weight), unused otherwise."""
         c = self.clip

@@ -87,6 +87,9 @@ def check_dpo(p, B, like, inp=None):
     ``(loss_types, weights)``."""
     _check_loss(p)
     check_dpo_rows(B)
+    if p.fast:  # DPO / cDPO with TRL's other options at their defaults: nothing more to check
+        check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
+        return ["sigmoid"], [1.0]
     return check_dpo_options(
         like, clip=p.clip, beta=p.beta, label_smoothing=p.label_smoothing, loss_type=p.loss_type,
         loss_weights=p.loss_weights, rpo_alpha=p.rpo_alpha, f_divergence_type=p.f_divergence_type,

@@ -37,12 +37,19 @@ from .ops.logprobs import eager as logprobs_eager
 __all__ = ["token_logprobs", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo", "slic"]
 
 
+_KERNELS = None
+
+
 def _kernels():
-    """The kernel modules (they import Triton: only once a call has decided for the kernels)."""
-    from .ops.finalize import kernel as finalize
-    from .ops.logprobs import kernel as logprobs
-    from .ops.token_terms import kernel as token_terms
-    return logprobs, token_terms, finalize
+    """The kernel modules (they import Triton: only once a call has decided for the kernels; then held here, so a
+    call does not pay three imports)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from .ops.finalize import kernel as finalize
+        from .ops.logprobs import kernel as logprobs
+        from .ops.token_terms import kernel as token_terms
+        _KERNELS = logprobs, token_terms, finalize
+    return _KERNELS
 
 
 def _as_3d(logits, labels):
@@ -90,9 +97,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
 
     Differentiable with respect to ``logits``. With ``return_entropy=True`` returns ``(logps, entropy)``, the
     entropy of ``softmax(logits / temperature)`` (0 where ignored), differentiable too (``dH/dz = -p (log p + H)``:
-    an entropy bonus trains through it, as with TRL's head). ``inplace_backward=True`` (opt-in) writes the gradient into ``logits``' own storage: the
-    logits must not be used afterwards (their version counter is bumped). ``validate=False`` skips the label
-    range check, the only check that synchronises with the device.
+    an entropy bonus trains through it, as with TRL's head). ``inplace_backward=True`` (opt-in) writes the
+    gradient into ``logits``' own storage: the logits must not be used afterwards (their version counter is
+    bumped). ``validate=False`` skips the label range check, the only check that synchronises with the device.
     """
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
     V.check_logits(logits, labels, p, validate)

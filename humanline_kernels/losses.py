@@ -308,20 +308,29 @@ def from_rows(p, rows, metrics, inp=None, mixture=None):
     return loss, {"unclipped_frac": metrics["unclipped_frac"], **m}
 
 
+def dpo_rows(logps, ref_logps, mask, clip, *, ld_alpha=None, aot=False, log_sum_sq_probs=None):
+    """``(Rows, metrics, token_weights)`` that DPO's loss types read, from per-token log-probs: the clamped sums
+    (LD-DPO's token weights with ``ld_alpha``, returned too, else None), with ``aot`` the policy's and the
+    reference's own sums (``clip`` must be None: "aot" sorts them apart), with ``log_sum_sq_probs`` WPO's detached
+    pair weights ``exp(mean_t (log p - log sum_v p_v^2))``. The TRL trainer calls it too."""
+    tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha, logps.dtype)
+    rows, m = sequence_rows(logps, ref_logps, mask, clip, tw)
+    if aot:
+        rows = rows._replace(aot_policy=_weighted_sum(logps, mask, tw),
+                             aot_reference=_weighted_sum(ref_logps, mask, tw))
+    if log_sum_sq_probs is not None:
+        with torch.no_grad():
+            lssp = log_sum_sq_probs.to(logps.dtype)
+            rows = rows._replace(wpo=torch.exp(_weighted_sum(logps - lssp, mask, None) / rows.counts.clamp(min=1)))
+    return rows, m, tw
+
+
 # ------------------------------------------------------------------ each loss given its checked params
 def _dpo(p, logps, ref_logps, mask, inp):
     if not p.fast:  # TRL's loss types and options: the sequence sums, then the batch math of _objectives
-        tw = None if p.ld_alpha is None else O.ld_weights(mask, p.ld_alpha, logps.dtype)
-        rows, m = sequence_rows(logps, ref_logps, mask, p.clip, tw)
         types, weights = O.mixture(p.loss_type, p.loss_weights, p.rpo_alpha)
-        if "aot" in types:  # clip is None: the policy's and the reference's own (LD-weighted) sums
-            rows = rows._replace(aot_policy=_weighted_sum(logps, mask, tw),
-                                 aot_reference=_weighted_sum(ref_logps, mask, tw))
-        if p.use_weighting:
-            with torch.no_grad():
-                lssp = inp.log_sum_sq_probs.to(logps.dtype)
-                mean_logp = _weighted_sum(logps - lssp, mask, None) / rows.counts.clamp(min=1)
-                rows = rows._replace(wpo=torch.exp(mean_logp))
+        rows, m, _ = dpo_rows(logps, ref_logps, mask, p.clip, ld_alpha=p.ld_alpha, aot="aot" in types,
+                              log_sum_sq_probs=inp.log_sum_sq_probs if p.use_weighting else None)
         return from_rows(p, rows, m, mixture=(types, weights))
     clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, p.clip)
     loss, metrics = dpo_from_sums(clipped.sum(dim=1), beta=p.beta, label_smoothing=p.label_smoothing)

@@ -68,13 +68,16 @@ class _Driver:
         return torch.device("meta")
 
 
-def _install(arch, compiled):
+def _install(arch, compiled, launches=None):
+    """Compile instead of launching; ``launches`` (a list) records every launch's ``(kernel, kwargs, grid)``."""
     from triton.runtime import driver
 
     driver.set_active(_Driver(arch))
     original = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):  # compile as at run time, never launch
+        if launches is not None:
+            launches.append((self, kwargs, grid))
         kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append((self.fn.__name__, kernel))
         return kernel
@@ -252,6 +255,59 @@ def _cases():
     return cases
 
 
+_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+_STRIDE = re.compile(r"_s[bt]$|stride")  # strides: the shape cases above cover their specialisations
+
+
+def _int_class(v):
+    """What Triton specialises an integer argument on: equal to 1, divisible by 16, or neither."""
+    return "1" if v == 1 else "16" if v % 16 == 0 else "n"
+
+
+def derived_variants(launches, max_bases=6):
+    """Every combination of each kernel's switches, derived from the kernel and its recorded launches, not from a
+    list: the constexpr parameters that take booleans or small values (not the ``BLOCK_*`` sizes) and the runtime
+    integers the kernel specialises that only ever carry small values (enums and flags: Triton compiles a value of
+    1 as a constant, so ``loss_type=1`` and ``loss_type=0`` are different programs). Each kernel's combinations are
+    applied to up to ``max_bases`` of its recorded launches with distinct pointer dtypes and integer classes.
+    ``launches``: ``[(kernel, kwargs, grid, aligned)]``; returns ``[(name, kernel, kwargs, grid, aligned)]``."""
+    by_kernel = {}
+    for kernel, kwargs, grid, aligned in launches:
+        by_kernel.setdefault(id(kernel), (kernel, []))[1].append((kwargs, grid, aligned))
+    out = []
+    for kernel, calls in by_kernel.values():
+        params = {p.name: p for p in kernel.params}
+        values = {}
+        for kwargs, _, _ in calls:
+            for k, v in kwargs.items():
+                values.setdefault(k, set()).add(v if isinstance(v, (bool, int, float, str)) else None)
+        switches = {}
+        for name, p in params.items():
+            seen = values.get(name, set())
+            if p.is_constexpr and not name.startswith("BLOCK") and seen and all(
+                    isinstance(v, bool) or (isinstance(v, int) and 0 <= v < 8) for v in seen):
+                switches[name] = sorted(seen | ({False, True} if all(isinstance(v, bool) for v in seen) else set()))
+            elif (not p.is_constexpr and not p.do_not_specialize and seen and not _STRIDE.search(name)
+                  and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 4 for v in seen)):
+                # an enum or a flag: one value of each class Triton specialises on (divisible by 16, 1, neither)
+                switches[name] = sorted(seen | {0, 1, 2})
+        bases, keys = [], set()
+        for kwargs, grid, aligned in calls:
+            key = (aligned, *sorted((k, str(v.dtype) if isinstance(v, torch.Tensor) else
+                                _int_class(v) if isinstance(v, int) and not isinstance(v, bool) else None)
+                               for k, v in kwargs.items() if k not in switches and k not in _LAUNCH_OPTIONS))
+            if key not in keys and len(bases) < max_bases:
+                keys.add(key)
+                bases.append((kwargs, grid, aligned))
+        names = sorted(switches)
+        for kwargs, grid, aligned in bases:
+            for combo in itertools.product(*(switches[n] for n in names)):
+                label = ", ".join(f"{n}={v}" for n, v in zip(names, combo))
+                out.append((f"derived {kernel.fn.__name__}({label})", kernel, dict(kwargs, **dict(zip(names, combo))),
+                            grid, aligned))
+    return out
+
+
 def _all_kernels():
     """Names of every ``@jit`` function in ``humanline_kernels.ops`` that no other one calls (the launchable ones)."""
     import importlib
@@ -291,47 +347,63 @@ def _vector_loads(ptx):
     return len(re.findall(r"ld\.global[.\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))
 
 
+def _compile(name, call, compiled, failures):
+    """Run one case's launches through the compiler; a compile error is recorded, so one run lists every failure."""
+    compiled.clear()
+    try:
+        call()
+    except Exception as e:
+        failures.append({"case": name, "error": f"{type(e).__name__}: {str(e)[-600:]}",
+                         "trace": traceback.format_exc()[-1500:]})
+        return []
+    return list(compiled)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--arch", type=int, required=True)
     p.add_argument("--only", default=None, help="substring of the case names to run")
+    p.add_argument("--no-derived", action="store_true", help="only the listed cases, not every switch combination")
     a = p.parse_args(argv)
-    compiled = []
-    _install(a.arch, compiled)
-    variants, failures, seen = [], [], set()
+    compiled, launches = [], []
+    _install(a.arch, compiled, launches)
+    failures, results, recorded = [], [], []  # results: (case, aligned, kernel name, compiled kernel)
     for name, aligned, call in _cases():
         if a.only and a.only not in name:
             continue
-        compiled.clear()
-        try:
-            call()
-        except Exception as e:  # a compile error: record and go on, so one run lists every failure
-            failures.append({"case": name, "error": f"{type(e).__name__}: {str(e)[-600:]}",
-                             "trace": traceback.format_exc()[-1500:]})
+        launches.clear()
+        results += [(name, aligned, kname, k) for kname, k in _compile(name, call, compiled, failures)]
+        recorded += [(k, kw, g, aligned) for k, kw, g in launches]
+    # then every combination of each kernel's switches on its recorded launches: a combination no listed case
+    # reaches still compiles on the GPU the day a user reaches it
+    derived = [] if a.no_derived else derived_variants(recorded)
+    for name, kernel, kwargs, grid, aligned in derived:
+        out = _compile(name, lambda k=kernel, kw=kwargs, g=grid: k[g](**kw), compiled, failures)
+        results += [(name, aligned, kname, k) for kname, k in out]
+    variants, seen = [], set()
+    for name, aligned, kname, kernel in results:
+        ptx = kernel.asm["ptx"]
+        key = (kname, hash(ptx))
+        if key in seen:
             continue
-        for kname, kernel in compiled:
-            ptx = kernel.asm["ptx"]
-            key = (kname, hash(ptx))
-            if key in seen:
-                continue
-            seen.add(key)
-            regs, stack, spill_st, spill_ld = _resources(ptx, a.arch)
-            # the finalize kernels (one program over small [B, T] tensors) stream no row: no 16-byte load rule
-            v = {"case": name, "kernel": kname, "registers": regs, "stack": stack, "spill_stores": spill_st,
-                 "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx, "vector_loads": _vector_loads(ptx),
-                 "aligned": aligned and not kname.endswith("_finalize_kernel")}
-            variants.append(v)
-            problems = []
-            if stack or spill_st or spill_ld or v["local_in_ptx"]:
-                problems.append("spills / local memory")
-            # the scale kernel reads only what it writes and the big loops are in the row kernels; every aligned
-            # variant of a kernel that streams a row must use 16-byte loads
-            if v["aligned"] and not v["vector_loads"]:
-                problems.append("no 16-byte global loads in an aligned variant")
-            if problems:
-                failures.append({"case": name, "kernel": kname, "error": "; ".join(problems), "resources": v})
+        seen.add(key)
+        regs, stack, spill_st, spill_ld = _resources(ptx, a.arch)
+        # the finalize kernels (one program over small [B, T] tensors) stream no row: no 16-byte load rule
+        v = {"case": name, "kernel": kname, "registers": regs, "stack": stack, "spill_stores": spill_st,
+             "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx, "vector_loads": _vector_loads(ptx),
+             "aligned": aligned and not kname.endswith("_finalize_kernel")}
+        variants.append(v)
+        problems = []
+        if stack or spill_st or spill_ld or v["local_in_ptx"]:
+            problems.append("spills / local memory")
+        # every aligned variant of a kernel that streams a row must use 16-byte loads
+        if v["aligned"] and not v["vector_loads"]:
+            problems.append("no 16-byte global loads in an aligned variant")
+        if problems:
+            failures.append({"case": name, "kernel": kname, "error": "; ".join(problems), "resources": v})
     print(json.dumps({"arch": a.arch, "triton": triton.__version__, "variants": variants, "failures": failures,
-                      "kernels": _all_kernels(), "compiled_kernels": sorted({v["kernel"] for v in variants})}))
+                      "derived": [d[0] for d in derived], "kernels": _all_kernels(),
+                      "compiled_kernels": sorted({v["kernel"] for v in variants})}))
     return 0
 
 

@@ -84,3 +84,21 @@ def test_host_quick_runs(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "host_quick.json").read_text())["rows"]
     assert {r["impl"] for r in rows} >= {"token_logprobs", "fused.dpo", "fused_linear.grpo"}
     assert all(r["launches"] > 0 and r["cpu_ms"] > 0 for r in rows)
+
+
+def test_host_proxy_runs_and_refuses_bad_flags(tmp_path):
+    """``python -m bench host --proxy``: every entry point timed against the floor of the same run, each with the
+    design's target where one applies; a non-positive ``--calls`` is a one-line error."""
+    import json
+
+    from bench import bench_host
+    assert bench_host.main(["--proxy", "--calls", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "host_proxy.json").read_text())
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert {"floor", "token_logprobs", "fused.grpo", "fused.dpo", "fused.kto", "fused_linear.grpo"} <= set(rows)
+    assert data["meta"]["floor_us"] > 0 and all(r["ratio"] > 0 for r in rows.values())
+    assert rows["fused.grpo"]["target"] == 1.5 and rows["fused.grpo(validate)"]["target"] == pytest.approx(1.9)
+    assert rows["fused_linear.grpo"]["target"] == 2.5 and rows["floor"]["target"] is None
+    r = _bench("host", "--proxy", "--calls", "0")
+    assert r.returncode == 2 and len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
+    assert "Traceback" not in r.stderr

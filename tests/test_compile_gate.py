@@ -55,3 +55,18 @@ def test_gate_sees_the_specialisations(gate):
         assert any(shape in c for c in cases), shape
     unaligned = [v for v in gate[90]["variants"] if "V=50257" in v["case"]]
     assert unaligned and not any(v["aligned"] for v in unaligned)
+
+
+def test_gate_derives_every_switch_combination(gate):
+    """Beyond the listed cases, the gate compiles every combination of each kernel's switches (constexpr flags and
+    the small runtime enums Triton specialises on), found from the kernels' signatures and recorded launches: the
+    GRPO finalize's token-mean variant with terms, which no listed case reached, spilled under triton 3.6."""
+    derived = set(gate[90]["derived"])
+    assert len(derived) > 50  # distinct switch combinations (each on up to 6 recorded launches)
+    for terms in (False, True):
+        for loss_type in (0, 1, 2):  # one value of each integer specialisation: divisible by 16, 1, neither
+            for norm_kind in (0, 1, 2):
+                name = f"derived _grpo_finalize_kernel(TERMS={terms}, loss_type={loss_type}, norm_kind={norm_kind})"
+                assert name in derived, name
+    assert any(c.startswith("derived _logprobs_bwd_kernel(") and "ENTROPY=True" in c and "has_w2=1" in c
+               for c in derived)

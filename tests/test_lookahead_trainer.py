@@ -33,16 +33,16 @@ def _train(monkeypatch, tiny_path, algo, reference, *, every, accum, batch, step
     """Train; return per micro-batch what the loss got (reference log-probs, KTO's KL rows' too, loss) and the
     parameters after every optimizer step."""
     trainer_cls, config_cls, data = TRAINERS[algo]
-    loss_fn = getattr(hk_trl.losses, algo)
+    loss_fn = trainer_cls._hk_loss  # the trainers' loss on the per-token log-probs: (loss, what the logs read)
     seen = []
 
-    def recording(logps, ref_logps, *args, **kwargs):
-        loss, met = loss_fn(logps, ref_logps, *args, **kwargs)
-        kl_ref = args[3] if algo == "kto" else None  # kto(logps, ref, mask, desirable, kl, kl_ref, kl_mask, ...)
+    def recording(self, logps, ref_logps, *args, **kwargs):
+        loss, stats = loss_fn(self, logps, ref_logps, *args, **kwargs)
+        kl_ref = args[3] if algo == "kto" else None  # kto: (logps, ref, mask, desirable, kl, kl_ref, kl_mask)
         seen.append((ref_logps.clone(), None if kl_ref is None else kl_ref.clone(), loss.detach().clone(),
                      logps.detach().clone()))
-        return loss, met
-    monkeypatch.setattr(hk_trl.losses, algo, recording)
+        return loss, stats
+    monkeypatch.setattr(trainer_cls, "_hk_loss", recording)
     kw = dict(COMMON, output_dir=tiny_path + f"/{algo}-{reference}", per_device_train_batch_size=batch,
               max_steps=steps, learning_rate=5e-2, gradient_accumulation_steps=accum, **extra)
     args = config_cls(**kw, sync_every=every, humanline_reference=reference, fused=fused)

@@ -3,13 +3,13 @@ a PEFT reference adapter, or the lookahead), logging."""
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple, Optional
 
 import torch
 from accelerate.utils import is_peft_model
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from ... import losses
 from .._head import install_head
 from ..transformers import HumanlineSyncCallback, LookaheadTrainerMixin, _refuse
 from .config import reference_mode
@@ -35,7 +35,6 @@ def _precheck_common(name, args, model, peft_config, humanline):
         _refuse(args.sync_ref_model,
                 f"{name}: sync_ref_model=True (TR-DPO, syncs after the update) conflicts with humanline syncing "
                 "(before the update, every sync_every steps). Set sync_ref_model=False.")
-    _refuse(getattr(args, "padding_free", False), f"{name}: padding_free=True is not supported")
 
 
 def _precheck_lookahead(name, args, ref_model):
@@ -76,6 +75,18 @@ def _no_trl_reference(trainer, trl_module):
     finally:
         trl_module.create_model_from_path = load
 
+
+
+class StepStats(NamedTuple):
+    """What the DPO / KTO logs read of a micro-batch's loss, formed once with it: per row the clamped log-ratio sums
+    ``s`` and the policy's sums (as TRL logs them), the masked tokens strictly inside the band and all of them, and
+    KTO's baseline ``z0``."""
+
+    s: torch.Tensor
+    policy: torch.Tensor
+    n_unclipped: torch.Tensor
+    n_tokens: torch.Tensor
+    kl: Optional[torch.Tensor] = None
 
 
 class HumanlineMixin(LookaheadTrainerMixin):
@@ -162,6 +173,18 @@ class HumanlineMixin(LookaheadTrainerMixin):
         m["num_tokens"] = [self._total_train_tokens]
         m["humanline/unclipped_frac"].append(n_in / n if n > 0 else 1.0)
 
+    def _hk_policy_kwargs(self):
+        """Extra keywords of the DPO / KTO policy forward: a MoE model's router logits when its auxiliary loss is on
+        (TRL 1.16 asks for them explicitly, since a model config may leave ``output_router_logits`` False)."""
+        return {"output_router_logits": True} if self.aux_loss_enabled else {}
+
+    def _hk_add_aux_loss(self, mode, loss, out):
+        """``loss`` plus the weighted MoE router loss, logged as TRL logs it (DPO / KTO)."""
+        if not self.aux_loss_enabled:
+            return loss
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean().item())
+        return loss + self.router_aux_loss_coef * out.aux_loss
+
     def log(self, logs, start_time=None):
         if self.model.training and (self.hk_sync is not None or self.hk_lookahead):
             # reference syncs (lookahead: window computations) so far, every sync_every steps
@@ -174,10 +197,3 @@ def _hf_module(module):
     while not hasattr(module, "config") and hasattr(module, "module"):
         module = module.module
     return module
-
-
-def _clip_counts(logps, ref_logps, mask, clip):
-    with torch.no_grad():
-        clipped, n_in, n = losses.clip_log_ratio(logps.detach(), ref_logps, mask, clip)
-    return clipped, (n_in, n)
-

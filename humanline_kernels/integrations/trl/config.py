@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from trl import DPOConfig, GRPOConfig, KTOConfig
 
@@ -85,7 +86,12 @@ def grpo_lookahead_check(args, name):
 @dataclass
 class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
     """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
-    ``humanline_reference``."""
+    ``humanline_reference`` and ``rpo_alpha`` (RPO's NLL weight: the same loss as TRL 1.16's spelling, ``"sft"``
+    appended to ``loss_type`` with this weight appended to ``loss_weights``)."""
+
+    rpo_alpha: Optional[float] = _hk_field(
+        None, "RPO: add the chosen completions' mean NLL with this weight (TRL 1.16's loss_type=[..., 'sft'], "
+        "loss_weights=[..., rpo_alpha]); None: no NLL term.")
 
 
 @dataclass

@@ -1,32 +1,116 @@
-"""``HumanlineDPOTrainer``: TRL's DPO trainer with humanline clipping and syncing."""
+"""``HumanlineDPOTrainer``: TRL's DPO trainer with humanline clipping and syncing, every TRL 1.16 DPO loss type.
+
+The loss is :mod:`humanline_kernels.losses` on the per-token log-probs: one pass over the tokens
+(:func:`~humanline_kernels.losses.sequence_rows`: the clamped sums ``s``, the policy's sums, the counts and the clip
+counts), then the batch math on those ``[2P]`` rows (:func:`~humanline_kernels.losses.from_rows`); the logs read
+the same rows. TRL 1.16 (``DPOTrainer._compute_loss``) differs from ``hk.losses.dpo`` in two places, which the
+trainer follows, so that ``humanline=False`` is TRL exactly:
+
+* "sigmoid" ignores ``label_smoothing`` (ours reads it: cDPO). In a mixture with a loss type that reads it
+  ("exo_pair", "robust", "aot", "aot_unpaired") the "sigmoid" term gets 0; a ``label_smoothing`` that no term
+  reads is refused (TRL would ignore it silently).
+* "ipo" and "sigmoid_norm" divide by the *unshifted* completion mask's count, which also counts the first
+  completion token when the prompt is empty (or cut off by ``truncation_mode="keep_end"``); every other count is
+  the scored tokens'.
+"""
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple, Optional
 
 import torch
 from trl import DPOTrainer
 from trl.trainer import dpo_trainer as _dpo_module
 
+from ... import _validation as V
 from ... import losses
-from ._common import HumanlineMixin, _clip_counts, _lookahead_init, _precheck_common, _refuse
+from ..._params import DPO
+from ...losses import _weighted_sum
+from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common, _refuse
 from .config import HumanlineDPOConfig, hk_settings
 
 _DPO_NON_MODEL = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", "hk_ref_logps"}
+# TRL 1.16 DPOTrainer._compute_loss reads label_smoothing in these loss types only ("sigmoid" is not cDPO there)
+_READS_LABEL_SMOOTHING = ("exo_pair", "robust", "aot", "aot_unpaired")
+# ... and divides these by the count of the unshifted completion_mask
+_UNSHIFTED_COUNT = ("ipo", "sigmoid_norm")
+
+
+class _Terms(NamedTuple):
+    """Terms of the mixture that one :func:`~humanline_kernels.losses.from_rows` call computes: same params, same
+    token counts (``unshifted``: TRL's count of the unshifted completion mask)."""
+
+    params: DPO
+    types: tuple
+    weights: tuple
+    unshifted: bool
+
+
+class DPOObjective(NamedTuple):
+    """The DPO loss of a config, checked and fixed at construction. ``groups``: the mixture's terms by params and
+    count; ``aot``: "aot" is in the mixture (it reads the policy's and the reference's own sums);
+    ``wpo``: ``use_weighting``."""
+
+    groups: tuple
+    ld_alpha: Optional[float]
+    aot: bool
+    wpo: bool
+
+
+def dpo_objective(name, args, clip, fused):
+    """Check every DPO option of ``args`` (a ``DPOConfig``; ``rpo_alpha`` when it is a humanline one) for a run with
+    ``clip`` and ``fused``, and build its :class:`DPOObjective`; a ``ValueError`` names what cannot be honoured."""
+    ls, rpo_alpha = args.label_smoothing, getattr(args, "rpo_alpha", None)
+    try:  # the loss's own checks (WPO's input is the head's: checked below)
+        types, weights = V.check_dpo_options(
+            None, clip=clip, beta=args.beta, label_smoothing=ls, loss_type=list(args.loss_type),
+            loss_weights=args.loss_weights, rpo_alpha=rpo_alpha, f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef, ld_alpha=args.ld_alpha,
+            discopop_tau=args.discopop_tau, use_weighting=False, log_sum_sq_probs=None)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    _refuse(ls > 0 and not set(types) & set(_READS_LABEL_SMOOTHING),
+            f"{name}: label_smoothing={ls} is read by none of loss_type {types}: TRL 1.16's 'sigmoid' ignores it (it "
+            f"is not cDPO there), only {list(_READS_LABEL_SMOOTHING)} read it. Set label_smoothing=0.0 (or use "
+            "'robust' for noisy preference labels)")
+    _refuse(args.use_weighting and fused != "off",
+            f"{name}: use_weighting=True (WPO) needs each token's log sum_v p_v^2, which TRL's log-prob head computes "
+            f"and the fused={fused!r} heads do not (their row kernels form only the log-prob and the entropy); use "
+            "fused='off'")
+    p = DPO(clip=clip, beta=args.beta, label_smoothing=ls, f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef, ld_alpha=args.ld_alpha,
+            discopop_tau=args.discopop_tau, use_weighting=args.use_weighting)
+    return DPOObjective(_mixture_groups(p, types, weights), args.ld_alpha, "aot" in types, args.use_weighting)
+
+
+def _mixture_groups(p, types, weights):
+    """The mixture's terms in groups that share params and counts (one group unless "sigmoid" meets a
+    ``label_smoothing`` or "ipo"/"sigmoid_norm" meet another type)."""
+    groups = {}
+    for t, w in zip(types, weights):
+        key = (t in _UNSHIFTED_COUNT, t == "sigmoid" and p.label_smoothing > 0)
+        groups.setdefault(key, []).append((t, w))
+    out = []
+    for (unshifted, plain_sigmoid), terms in groups.items():
+        ts, ws = (tuple(x) for x in zip(*terms))
+        params = replace(p, label_smoothing=0.0) if plain_sigmoid else p
+        out.append(_Terms(replace(params, loss_type=ts, loss_weights=ws), ts, ws, unshifted))
+    return tuple(out)
 
 
 class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
-    """``trl.DPOTrainer`` with humanline clipping and syncing (``loss_type=["sigmoid"]``)."""
+    """``trl.DPOTrainer`` with humanline clipping and syncing: every TRL 1.16 ``loss_type`` (mixtures with
+    ``loss_weights``), ``f_divergence_type``, ``ld_alpha``, ``discopop_tau``, ``label_smoothing`` where TRL reads it,
+    ``use_weighting`` (``fused="off"``) and RPO (``rpo_alpha`` or TRL's ``[..., "sft"]``); docs/integrations.md
+    lists what is refused and why."""
 
     def __init__(self, model, ref_model=None, args=None, *posargs, peft_config=None, **kwargs):
         if args is None:
             args = HumanlineDPOConfig("humanline-dpo")
         self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = hk_settings(args)
-        _precheck_common(type(self).__name__, args, model, peft_config, self.hk_humanline)
-        _refuse(list(args.loss_type) != ["sigmoid"] or (args.loss_weights not in (None, [1.0])),
-                f"HumanlineDPOTrainer supports loss_type=['sigmoid'] only, got {args.loss_type}")
-        _refuse(args.f_divergence_type != "reverse_kl", "HumanlineDPOTrainer supports f_divergence_type='reverse_kl'")
-        _refuse(args.ld_alpha is not None, "HumanlineDPOTrainer does not support ld_alpha")
-        _refuse(args.use_weighting, "HumanlineDPOTrainer does not support use_weighting (WPO)")
-        _refuse(args.label_smoothing != 0.0, "HumanlineDPOTrainer: label_smoothing is ignored by TRL's 'sigmoid' loss "
-                "and not supported here; set label_smoothing=0.0")
+        name = type(self).__name__
+        _precheck_common(name, args, model, peft_config, self.hk_humanline)
+        self.hk_objective = dpo_objective(name, args, self.hk_clip, self.hk_fused)
         with _lookahead_init(self, args, ref_model, _dpo_module):
             super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
         self._hk_setup()
@@ -52,24 +136,38 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
         else:
             ref_logps = self._hk_ref_forward(kw, labels, T)
             self._hk_reference_done()
-        out = model(**kw, labels=labels, fused_lm_head=True)
+        out = model(**kw, labels=labels, fused_lm_head=True, **self._hk_policy_kwargs())
         logps = out.log_probs[:, -T:].float()
-        loss, _ = losses.dpo(logps, ref_logps, mask, clip=self.hk_clip, beta=self.beta)
-        if self.aux_loss_enabled and out.aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * out.aux_loss
-        self._hk_log_dpo(mode, out, logps, ref_logps, mask, inputs["attention_mask"])
+        lssp = out.log_sum_sq_probs[:, -T:].float() if self.hk_objective.wpo else None
+        loss, stats = self._hk_loss(logps, ref_logps, mask, inputs["completion_mask"], lssp)
+        loss = self._hk_add_aux_loss(mode, loss, out)
+        self._hk_log_dpo(mode, out, stats, mask, inputs["attention_mask"])
         if return_outputs:
             with torch.no_grad():
                 return loss, model(**kw)
         return loss
 
-    def _hk_log_dpo(self, mode, out, logps, ref_logps, mask, attention_mask):
-        clipped, counts = _clip_counts(logps, ref_logps, mask, self.hk_clip)
-        self._hk_log_common(mode, out, mask, attention_mask, counts)
+    def _hk_loss(self, logps, ref_logps, mask, completion_mask, log_sum_sq_probs=None):
+        """``(loss, StepStats)`` of ``[2P, T]`` log-probs: one pass over the tokens gives the rows that the loss and
+        the logs read (``StepStats.policy``: the policy's sums as TRL logs them, LD-weighted with ``ld_alpha``)."""
+        o = self.hk_objective
+        rows, metrics, tw = losses.dpo_rows(logps, ref_logps, mask, self.hk_clip, ld_alpha=o.ld_alpha, aot=o.aot,
+                                            log_sum_sq_probs=log_sum_sq_probs if o.wpo else None)
+        loss = None
+        for g in o.groups:
+            r = rows._replace(counts=completion_mask.sum(dim=1).to(rows.counts.dtype)) if g.unshifted else rows
+            term, _ = losses.from_rows(g.params, r, metrics, mixture=(g.types, g.weights))
+            loss = term if loss is None else loss + term
         with torch.no_grad():
-            rewards = self.beta * clipped.sum(1)
-            rc, rr = rewards.chunk(2)
-            lc, lr = logps.detach().sum(1).chunk(2)
+            policy = rows.policy if tw is None else rows.aot_policy if o.aot else _weighted_sum(logps, mask, tw)
+        return loss, StepStats(rows.s.detach(), policy.detach(), metrics["n_unclipped"], metrics["n_tokens"])
+
+    def _hk_log_dpo(self, mode, out, stats, mask, attention_mask):
+        """TRL's DPO metrics from the loss's rows (per pair, gathered across ranks, then averaged), and ours."""
+        self._hk_log_common(mode, out, mask, attention_mask, (stats.n_unclipped, stats.n_tokens))
+        with torch.no_grad():
+            rc, rr = (self.beta * stats.s).chunk(2)
+            lc, lr = stats.policy.chunk(2)
             g = self.accelerator.gather(torch.stack([rc, rr, (rc > rr).float(), rc - rr, lc, lr]))
             g = g.view(-1, 6, rc.numel())
             vals = g.transpose(0, 1).reshape(6, -1).mean(1).tolist()

@@ -1,12 +1,23 @@
-"""``HumanlineKTOTrainer``: TRL's KTO trainer with humanline clipping and syncing."""
+"""``HumanlineKTOTrainer``: TRL's KTO trainer with humanline clipping and syncing, both TRL 1.16 loss types.
+
+The loss is :mod:`humanline_kernels.losses` on the per-token log-probs: one pass over the rows' tokens
+(:func:`~humanline_kernels.losses.sequence_rows`), then KTO on the ``[B]`` sums
+(:func:`~humanline_kernels.losses.kto_from_sums`); the logs read the same sums. The KL baseline ``z0`` of
+``loss_type="kto"`` is estimated from the (clamped) KL rows: with ``humanline=False`` as TRL 1.16 does (the mean
+over every KL row, the mean of the ranks' means), with humanline as HALOs does, whose KTO the paper ran (the sum
+over the KL rows with a non-zero log-ratio sum, divided by their count, both all-reduced: a global mean that
+neither empty KL rows nor unequal per-rank row counts bias). ``"apo_zero_unpaired"`` has no baseline (TRL builds
+no KL rows for it).
+"""
 from __future__ import annotations
 
 import torch
 from trl import KTOTrainer
 from trl.trainer import kto_trainer as _kto_module
 
+from ... import _validation as V
 from ... import losses
-from ._common import HumanlineMixin, _clip_counts, _lookahead_init, _precheck_common, _refuse
+from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common
 from .config import HumanlineKTOConfig, hk_settings
 
 _KTO_NON_MODEL = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
@@ -14,14 +25,20 @@ _KTO_NON_MODEL = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_co
 
 
 class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
-    """``trl.KTOTrainer`` with humanline clipping and syncing (``loss_type="kto"``; KL baseline as in HALOs)."""
+    """``trl.KTOTrainer`` with humanline clipping and syncing: ``loss_type`` "kto" (KL baseline: TRL's estimate
+    with ``humanline=False``, HALOs' with humanline) or "apo_zero_unpaired"."""
 
     def __init__(self, model, ref_model=None, args=None, *posargs, peft_config=None, **kwargs):
         if args is None:
             args = HumanlineKTOConfig("humanline-kto")
         self.hk_humanline, self.hk_clip, self.hk_sync_every, self.hk_fused = hk_settings(args)
-        _precheck_common(type(self).__name__, args, model, peft_config, self.hk_humanline)
-        _refuse(args.loss_type != "kto", f"HumanlineKTOTrainer supports loss_type='kto' only, got {args.loss_type!r}")
+        name = type(self).__name__
+        _precheck_common(name, args, model, peft_config, self.hk_humanline)
+        self.hk_kl_estimate = "halos" if self.hk_humanline else "trl"
+        try:
+            V.check_kto_options(loss_type=args.loss_type, kl_estimate=self.hk_kl_estimate, has_kl_rows=False)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         with _lookahead_init(self, args, ref_model, _kto_module):
             super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
         self._hk_setup()
@@ -74,24 +91,31 @@ class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
         if self.calculate_KL:
             with torch.no_grad():  # the KL rows only set the detached baseline z0
                 kl = model(**kl_kw, labels=kl_labels, fused_lm_head=True).log_probs[:, -kl_mask.size(1):].float()
-        out = model(**kw, labels=labels, fused_lm_head=True)
+        out = model(**kw, labels=labels, fused_lm_head=True, **self._hk_policy_kwargs())
         logps = out.log_probs[:, -T:].float()
-        loss, met = losses.kto(logps, ref_logps, mask, desirable, kl, kl_ref, kl_mask, clip=self.hk_clip,
-                               beta=self.beta, desirable_weight=self.desirable_weight,
-                               undesirable_weight=self.undesirable_weight)
-        if self.aux_loss_enabled and out.aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * out.aux_loss
-        self._hk_log_kto(mode, out, logps, ref_logps, mask, desirable, met["kl"], batch["attention_mask"])
+        loss, stats = self._hk_loss(logps, ref_logps, mask, desirable, kl, kl_ref, kl_mask)
+        loss = self._hk_add_aux_loss(mode, loss, out)
+        self._hk_log_kto(mode, out, stats, mask, desirable, batch["attention_mask"])
         if return_outputs:
             with torch.no_grad():
                 return loss, model(**kw)
         return loss
 
-    def _hk_log_kto(self, mode, out, logps, ref_logps, mask, desirable, z0, attention_mask):
-        clipped, counts = _clip_counts(logps, ref_logps, mask, self.hk_clip)
-        self._hk_log_common(mode, out, mask, attention_mask, counts)
+    def _hk_loss(self, logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None):
+        """``(loss, StepStats)``: one pass over the rows' tokens gives the clamped sums that the loss and the logs
+        read; the KL rows (when KTO estimates its baseline) give ``z0`` (:attr:`hk_kl_estimate`)."""
+        rows, metrics = losses.sequence_rows(logps, ref_logps, mask, self.hk_clip)
+        z0 = rows.s.new_zeros(()) if kl_logps is None else \
+            losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, self.hk_clip, rows.s, self.hk_kl_estimate)
+        loss, _ = losses.kto_from_sums(rows.s, z0, desirable, beta=self.beta, desirable_weight=self.desirable_weight,
+                                       undesirable_weight=self.undesirable_weight, loss_type=self.loss_type)
+        return loss, StepStats(rows.s.detach(), rows.policy.detach(), metrics["n_unclipped"], metrics["n_tokens"], z0)
+
+    def _hk_log_kto(self, mode, out, stats, mask, desirable, attention_mask):
+        """TRL's KTO metrics from the loss's rows (sums over each label's rows across ranks), and ours."""
+        self._hk_log_common(mode, out, mask, attention_mask, (stats.n_unclipped, stats.n_tokens))
         with torch.no_grad():
-            r, lp, d = self.beta * clipped.sum(1), logps.detach().sum(1), desirable.float()
+            r, lp, d = self.beta * stats.s, stats.policy, desirable.float()
             s = torch.stack([(r * d).sum(), (lp * d).sum(), d.sum(), (r * (1 - d)).sum(), (lp * (1 - d)).sum(),
                              (1 - d).sum()])
             if out.mean_logits is not None:
@@ -101,7 +125,7 @@ class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
                 s = torch.cat([s, torch.stack([(ml * md).sum(), md.sum().float(), (ml * mu).sum(), mu.sum().float()])])
             s = self.accelerator.reduce(s, reduction="sum").tolist()
         m = self._metrics[mode]
-        m["kl"].append(float(z0))
+        m["kl"].append(float(stats.kl))
         if s[2] > 0:
             m["rewards/chosen"].append(s[0] / s[2])
             m["logps/chosen"].append(s[1] / s[2])

@@ -400,7 +400,8 @@ def _grpo_out(val: Optional[Tensor], aux: Optional[Tensor], labels: Tensor, norm
     terms = val is not None
     norm_kind = 2 if norm is not None else int(norm_value > 0)  # a tensor, a number (> 0 when given) or the count
     length = length or T
-    bb, bt, warps = tiles(labels)
+    # 256-element tiles: at 512, triton 3.6 spilled 4 bytes for sm_90 in the token-mean variant with terms
+    bb, bt, warps = tiles(labels, 64)
     with device_guard(labels):
         launcher(_grpo_finalize_kernel, labels)[(1,)](
             # data (absent ones point at w: no new variant)

@@ -14,6 +14,7 @@ Ignored rows (``y == ignore_index``) get ``logp = entropy = 0`` and an all-zero 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -28,9 +29,13 @@ def block_config(x: torch.Tensor) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` for the rows of ``x [..., V]``: 8 KiB blocks on GPU (4096 bf16/fp16 or 2048 fp32
     elements, two or four 16-byte loads a thread at 8 warps: 4096 fp32 made the entropy variant spill with
     triton 3.6), small ones in the interpreter."""
-    V = x.shape[-1]
-    if x.device.type in COMPILED_DEVICES:
-        return min(triton.next_power_of_2(V), 8192 // x.element_size()), 8
+    return _block_config(x.shape[-1], x.element_size(), x.device.type in COMPILED_DEVICES)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_config(V, element_size, compiled):  # (asked on every launch: looked up, not recomputed)
+    if compiled:
+        return min(triton.next_power_of_2(V), 8192 // element_size), 8
     return min(triton.next_power_of_2(V), 128), 1
 
 

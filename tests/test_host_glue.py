@@ -1,0 +1,82 @@
+"""Host glue budget: the Python work one forward + backward does around its kernels, counted, not timed.
+
+``bench.host_proxy`` runs each entry point's compiled-kernel branch on tiny CPU tensors with every Triton launch a
+no-op; here ``sys.setprofile`` counts the Python and C function calls of one steady-state call. The count is
+deterministic (the same on torch 2.11 and 2.13 within a few calls) and tracks the proxy's time (about 0.5 us a
+call on the CI machine), so a change that adds host work fails here instead of hiding in a benchmark nobody
+reran. Ceilings are today's counts plus about 10 %; ``python -m bench host --proxy`` gives the times and the
+ratios to the floor (docs/kernels.md).
+"""
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from bench import host_proxy  # noqa: E402
+
+# counts on torch 2.13 at the time of writing: floor 51 (autograd's own share), token_logprobs 150, fused.grpo 235,
+# fused.dpo 211, fused.kto 280, fused_linear.grpo 313 (one chunk), fused_linear.kto 377, Liger's triton_grpo_loss
+# 150 and its fused-linear GRPO 3296
+CEILINGS = {
+    "floor": 60,
+    "token_logprobs": 170,
+    "token_logprobs(entropy)": 170,
+    "fused.grpo": 260,
+    "fused.grpo(validate)": 265,
+    "fused.grpo(grad_in_forward)": 275,
+    "fused.grpo(inplace)": 265,
+    "fused.dpo": 235,
+    "fused.dpo(validate)": 240,
+    "fused.kto": 310,
+    "fused.sequence_logratios": 225,
+    "fused_linear.grpo": 345,
+    "fused_linear.grpo(2 chunks)": 410,
+    "fused_linear.dpo": 320,
+    "fused_linear.dpo(1 pair a chunk)": 320,
+    "fused_linear.kto": 415,
+}
+
+
+def _count(fn):
+    n = 0
+
+    def prof(frame, event, arg):
+        nonlocal n
+        n += event in ("call", "c_call")
+    fn()  # first-call work (Triton's binder, caches) is not the steady state
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+@pytest.fixture(scope="module")
+def counts():
+    with host_proxy.stubbed_launches():
+        calls = host_proxy._calls()
+        return {name: _count(fn) for name, fn in calls.items() if name in CEILINGS}
+
+
+@pytest.mark.parametrize("name", sorted(CEILINGS))
+def test_host_calls_within_budget(counts, name):
+    assert counts[name] <= CEILINGS[name], f"{name}: {counts[name]} Python/C calls a forward + backward"
+
+
+def test_count_sees_the_glue(counts):
+    """The counter is not blind: every loss does measurably more than the floor, and splitting a fused-linear
+    call into chunks adds calls."""
+    assert all(counts[n] > counts["floor"] + 50 for n in CEILINGS if n != "floor")
+    assert counts["fused_linear.grpo(2 chunks)"] > counts["fused_linear.grpo"]
+
+
+def test_stubbed_launches_restores_triton():
+    from triton.runtime.jit import JITFunction
+
+    from humanline_kernels.ops import _jit
+    run = JITFunction.run
+    with host_proxy.stubbed_launches():
+        assert JITFunction.run is not run and "cpu" in _jit.COMPILED_DEVICES
+    assert JITFunction.run is run and "cpu" not in _jit.COMPILED_DEVICES
