@@ -3,9 +3,15 @@ right sum, a small bonus for stopping early, and a small shaping reward for digi
 
 CPU smoke run (tiny random-init model):
     python examples/humanline_grpo.py --max-steps 3
-A real model on a GPU (the paper uses sync_every in [12, 24] for math GRPO):
-    python examples/humanline_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --bf16 --sync-every 12 --max-steps 300 \
-        --num-generations 8 --batch-size 8 --max-completion-length 64
+Off-policy, as the paper runs GRPO: sample N times the data every N steps (``--generate-every N``: TRL's
+``steps_per_generation = N * gradient_accumulation_steps``, each completion used once), sync the reference every
+k steps (the paper: k in [12, 24]; k = 1 collapses in math), and no reference model with the lookahead:
+    python examples/humanline_grpo.py --generate-every 4 --sync-every 3 --reference lookahead --max-steps 8
+The paper's math setting (arXiv 2509.24207: Qwen2.5-1.5B-Instruct in Open-R1, i.e. TRL's GRPOTrainer, 64 times the
+data every 64 steps, humanline with k in [12, 24] matches online GRPO on MATH500), with this script's toy task in
+place of Open-R1's MATH data and accuracy reward:
+    python examples/humanline_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct --bf16 --generate-every 64 \
+        --sync-every 12 --max-steps 640 --num-generations 8 --batch-size 16 --max-completion-length 1024
 """
 from __future__ import annotations
 
@@ -56,6 +62,11 @@ def main(argv=None):
     p.add_argument("--log-eps-p", type=float, default=-1.5)
     p.add_argument("--log-eps-r", type=float, default=1.5)
     p.add_argument("--fused", default="linear", choices=["linear", "logits", "off"])
+    p.add_argument("--generate-every", type=int, default=1,
+                   help="sample N times the data every N optimizer steps (off-policy GRPO; 1: every step)")
+    p.add_argument("--reference", default="sync", choices=["sync", "lookahead"],
+                   help="'lookahead' (with --generate-every >= 2): no reference model")
+    p.add_argument("--loss-type", default="dapo", help="any of TRL 1.16's GRPO loss types")
     p.add_argument("--bf16", action="store_true")
     a = p.parse_args(argv)
 
@@ -72,8 +83,9 @@ def main(argv=None):
         beta=a.beta, logging_steps=1, save_strategy="no", report_to=[], bf16=a.bf16,
         use_cpu=not torch.cuda.is_available(),
         humanline=True, sync_every=a.sync_every, log_eps_p=a.log_eps_p, log_eps_r=a.log_eps_r, fused=a.fused,
+        steps_per_generation=a.generate_every, humanline_reference=a.reference, loss_type=a.loss_type,
     )
-    # With humanline the trainer builds the reference (a copy of the policy) even when beta == 0.
+    # With humanline_reference="sync" the trainer builds the reference (a copy of the policy) even when beta == 0.
     trainer = HumanlineGRPOTrainer(model, reward_funcs=[correctness_reward, digits_reward], args=args,
                                    train_dataset=arithmetic_dataset(), processing_class=tok)
     trainer.train()

@@ -11,6 +11,7 @@ ground truth in :mod:`humanline_kernels.reference`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
@@ -48,6 +49,14 @@ class GRPOInputs(NamedTuple):
     advantages: Tensor
     kl_ref_logps: Optional[Tensor] = None
     normalizer: Optional[Tensor] = None  # a tensor normalizer (a number travels in the params)
+    # TRL 1.16's per-token inputs, at the log-prob level only (hk.losses.grpo): the vLLM importance weight ([B, T],
+    # [B, 1] or [B]), the tool-output mask, the sampler's log-probs (off-policy mask), the policy's entropies and a
+    # caller's high-entropy mask
+    importance_sampling_ratio: Optional[Tensor] = None
+    tool_mask: Optional[Tensor] = None
+    sampling_per_token_logps: Optional[Tensor] = None
+    entropies: Optional[Tensor] = None
+    entropy_mask: Optional[Tensor] = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +165,23 @@ class GRPO(Loss):
     loss_type: str = "dapo"
     normalizer: Optional[float] = None  # a number; a tensor normalizer travels in GRPOInputs
     max_completion_length: Optional[int] = None
+    # TRL 1.16's other GRPO options (hk.reference.grpo documents each); the defaults are the kernels' loss, and the
+    # logits and hidden-state levels take none of them
+    importance_sampling_level: str = "token"
+    delta: Optional[float] = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: Optional[float] = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    last_world_entropy: float = math.inf
+    use_bias_correction_kl: bool = False
     name: ClassVar[str] = "grpo"
     mode: ClassVar[int] = MODE_GRPO
     Inputs: ClassVar[type] = GRPOInputs

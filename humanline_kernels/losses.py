@@ -6,7 +6,9 @@ sequence-level math exists once:
 
 * :func:`clip_log_ratio` - the humanline clamp and the ``unclipped_frac`` counts;
 * :func:`dpo_from_sums`, :func:`kto_from_sums`, :func:`kto_baseline` - DPO/KTO from per-row clipped sums;
-* :func:`grpo_token_terms` and :func:`grpo_aggregate` - GRPO's per-token term and its four aggregations;
+* :func:`grpo_token_terms` and :func:`grpo_aggregate` - GRPO's per-token term (every TRL 1.16 loss type, from
+  :func:`grpo_policy_term`) and its aggregations; the token weights (:func:`grpo_off_policy_mask`,
+  :func:`grpo_high_entropy_mask`, VESPO's :func:`grpo_vespo_weights`) and :func:`grpo_entropy_bonus`;
 * :func:`compute` - the loss a params object (:mod:`humanline_kernels._params`) names, on checked inputs: where
   the eager path of every input level ends (fused and fused-linear calls on CPU tensors, fp64).
 
@@ -14,6 +16,8 @@ The Triton kernels compute the same math in two launches (per token in the log-p
 tail); their eager twins (``humanline_kernels.ops.*.eager``) are written with these functions.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +29,9 @@ from ._clip import DEFAULT_CLIP
 from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC
 
 __all__ = ["dpo", "kto", "grpo", "ipo", "simpo", "slic", "sequence_logratios", "compute", "clip_log_ratio",
-           "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate"]
+           "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate",
+           "grpo_policy_term", "grpo_log_weights", "grpo_vespo_weights", "grpo_off_policy_mask",
+           "grpo_high_entropy_mask", "grpo_entropy_bonus", "token_advantages"]
 
 
 def _frac(num, den):
@@ -115,40 +121,150 @@ def kto_from_sums(s, z0, desirable, *, beta, desirable_weight, undesirable_weigh
     return loss, metrics
 
 
-def grpo_token_terms(logps, clipped, kl_ref_logps, advantages, mask, *, beta, epsilon_low, epsilon_high):
-    """Per-token GRPO term ``L = u + beta * k3`` (0 where masked out) and the per-token k3 / clip indicators.
-    ``advantages`` is ``[B]`` (one per sequence) or shaped like ``logps`` (one per token).
+def token_advantages(advantages, like):
+    """``advantages`` ``[B]`` (one per sequence) as ``[B, 1]``, or ``[B, T]`` (one per token: PPO, verl) as it is,
+    in ``like``'s dtype."""
+    A = advantages.to(like.dtype)
+    return A if A.dim() == like.dim() else A.unsqueeze(-1)
+
+
+def grpo_log_weights(clipped, mask, importance_sampling_level="token"):
+    """The log importance weight: ``Delta_hat`` per token (``[B, T]``), or GSPO's ``mean_t m Delta_hat`` per
+    sequence (``[B, 1]``, 0 for an empty row). ``clipped`` is 0 where masked out."""
+    if importance_sampling_level == "token":
+        return clipped
+    n = mask.sum(dim=1, keepdim=True).to(clipped.dtype)
+    return clipped.sum(dim=1, keepdim=True) / n.clamp(min=1)
+
+
+def grpo_policy_term(logps, log_w, A, mask, *, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, delta=None,
+                     sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, phi=None):
+    """The per-token policy term ``u`` of TRL 1.16's ``loss_type`` (before the token weights and the KL term) and
+    the masked tokens where a clip is the active branch, ``(u, low, high)``. ``rho = exp(log_w)``:
+
+    * PPO clip ("dapo", "bnpo", "grpo", "dr_grpo", "luspo"): ``-min(A rho', A clamp(rho, 1 - eps_low,
+      1 + eps_high))``, ``rho' = min(rho, delta)`` with two-sided clipping (INTELLECT-2), else ``rho``;
+    * "cispo": ``-sg(min(rho, eps_high)) A l`` (the cap clips the weight, never the gradient of ``l``);
+    * "sapo": ``-(4 / tau) sigmoid(tau (rho - 1)) A``, ``tau`` by the sign of ``A``;
+    * "vespo": ``-phi A l`` with the detached sequence weight ``phi`` (:func:`grpo_vespo_weights`).
+    """
+    ratio = torch.exp(log_w)
+    none = torch.zeros_like(mask)
+    if loss_type in ("cispo", "vespo"):  # they weight the policy's own log-prob, not a ratio
+        weight = torch.clamp(ratio, max=epsilon_high).detach() if loss_type == "cispo" else phi
+        u = -weight * A * torch.where(mask, logps, 0.0)
+        high = mask & (ratio > epsilon_high) & (A > 0) if loss_type == "cispo" else none
+        return u, none, high
+    if loss_type == "sapo":  # a soft gate instead of the clip: no clipped tokens to count
+        tau = torch.where(A > 0, A.new_tensor(sapo_temperature_pos), A.new_tensor(sapo_temperature_neg))
+        return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * A, none, none
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    u = -torch.minimum(A * capped, A * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
+    with torch.no_grad():
+        low = mask & (capped < 1.0 - epsilon_low) & (A < 0)
+        high = mask & (capped > 1.0 + epsilon_high) & (A > 0)
+    return u, low, high
+
+
+def grpo_token_terms(logps, clipped, kl_ref_logps, advantages, mask, *, beta, epsilon_low, epsilon_high,
+                     loss_type="dapo", importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0,
+                     sapo_temperature_neg=1.05, phi=None, weight=None, use_bias_correction_kl=False):
+    """Per-token GRPO term ``L = w u + beta k3`` (0 where masked out), the per-token KL term (detached) and the clip
+    indicators: ``(L, kl, low, high)``. ``advantages`` is ``[B]`` (one per sequence) or shaped like ``logps`` (one
+    per token); ``u`` is :func:`grpo_policy_term`'s (``loss_type``, the importance level and its options), ``w``
+    the detached token ``weight`` (masks and the vLLM importance weight; None: 1).
 
     ``clipped`` is the clamped log-ratio against the ratio's reference; ``kl_ref_logps`` is the (unclipped)
-    reference of the k3 estimator.
+    reference of the k3 estimator ``k3 = exp(l_kl - l) - (l_kl - l) - 1``, multiplied by the importance weight
+    ``rho`` when ``use_bias_correction_kl`` (and ``beta != 0``), as TRL does.
     """
-    A = advantages.to(logps.dtype)
-    A = A if A.dim() == logps.dim() else A.unsqueeze(-1)  # [B] per sequence or [B, T] per token (PPO, verl)
-    ratio = torch.exp(clipped)
-    u = -torch.minimum(A * ratio, A * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
+    A = token_advantages(advantages, logps)
+    log_w = grpo_log_weights(clipped, mask, importance_sampling_level)
+    u, low, high = grpo_policy_term(logps, log_w, A, mask, loss_type=loss_type, epsilon_low=epsilon_low,
+                                    epsilon_high=epsilon_high, delta=delta, sapo_temperature_pos=sapo_temperature_pos,
+                                    sapo_temperature_neg=sapo_temperature_neg, phi=phi)
+    if weight is not None:
+        u = u * weight
     x = torch.where(mask, kl_ref_logps - logps, 0.0)
-    k3 = torch.exp(x) - x - 1.0
-    per_token = torch.where(mask, u + beta * k3 if beta != 0 else u, 0.0)
-    with torch.no_grad():
-        low = mask & (ratio < 1.0 - epsilon_low) & (A < 0)
-        high = mask & (ratio > 1.0 + epsilon_high) & (A > 0)
-    return per_token, k3.detach(), low, high
+    kl = torch.exp(x) - x - 1.0
+    if beta != 0 and use_bias_correction_kl:
+        kl = kl * torch.exp(log_w)
+    per_token = torch.where(mask, u + beta * kl if beta != 0 else u, 0.0)
+    return per_token, kl.detach(), low, high
 
 
 def grpo_aggregate(per_token, mask, *, loss_type, normalizer, max_completion_length):
-    """GRPO aggregation of ``per_token [B, T]`` (already 0 where masked out) by ``loss_type``."""
+    """GRPO aggregation of ``per_token [B, T]`` (already 0 where masked out) by ``loss_type``: over the tokens
+    ("dapo", "bnpo", "cispo", "vespo": ``normalizer`` or the token count), the mean of the non-empty rows' means
+    ("grpo", "sapo"), over ``B * max_completion_length`` ("dr_grpo"; ``T`` when not given), over the rows
+    ("luspo": each sequence's sum, averaged)."""
     B, T = per_token.shape
-    if loss_type in ("dapo", "bnpo"):
+    if loss_type in ("dapo", "bnpo", "cispo", "vespo"):
         if normalizer is None:
             den = mask.sum().to(per_token.dtype).clamp(min=1)
         else:  # a 1-element tensor (e.g. an all-reduced token count) must still give a 0-d loss
             den = normalizer.reshape(()) if isinstance(normalizer, torch.Tensor) else normalizer
         return per_token.sum() / den
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         row_n = mask.sum(dim=1).to(per_token.dtype)
         row_mean = per_token.sum(dim=1) / row_n.clamp(min=1)
         return row_mean.sum() / (row_n > 0).sum().to(per_token.dtype).clamp(min=1)
+    if loss_type == "luspo":
+        return per_token.sum() / B
     return per_token.sum() / (B * (T if max_completion_length is None else max_completion_length))
+
+
+@torch.no_grad()
+def grpo_vespo_weights(clipped, mask, A, importance_sampling_ratio, *, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                       vespo_k_neg=3.0, vespo_lambda_neg=2.0):
+    """VESPO's sequence weight ``phi(w) = exp(lambda (1 - w)) w^k`` (shaped like ``A``, detached; ``phi(1) = 1``) of the
+    sequence ratio ``w = exp(sum_t m Delta_hat)`` times the product of the per-token vLLM weights, computed in log
+    space with TRL's bounds (each log-ratio within +-20, ``log w`` within ``[log 1e-8, 20]``); ``k`` and ``lambda``
+    by the sign of the row's advantage, ``lambda >= 1e-4``. A non-finite ``phi`` counts as 0."""
+    floor = math.log(1e-8)
+    log_w = torch.where(mask, clipped.clamp(-20.0, 20.0), 0.0).sum(dim=1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        log_is = torch.log(importance_sampling_ratio.to(clipped.dtype)).clamp(floor, 20.0)
+        log_w = log_w + torch.where(mask, log_is, 0.0).sum(dim=1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
+    pos = A >= 0  # [B, 1], or [B, T] with per-token advantages (then phi is per token, as in TRL)
+    k = torch.where(pos, A.new_tensor(vespo_k_pos), A.new_tensor(vespo_k_neg))
+    lam = torch.where(pos, A.new_tensor(vespo_lambda_pos), A.new_tensor(vespo_lambda_neg)).clamp(min=1e-4)
+    phi = torch.exp(lam * (1.0 - torch.exp(log_w)) + k * log_w)
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@torch.no_grad()
+def grpo_off_policy_mask(logps, sampling_logps, mask, A, threshold):
+    """DeepSeek-V3.2's off-policy sequence mask (TRL 1.16 ``GRPOTrainer.get_off_policy_mask``), detached:
+    a row is dropped (0) when its advantage is negative and its mean ``sampling_logps - l`` over the masked tokens
+    (NaN sampler log-probs count as 0) exceeds ``threshold``; else kept (1). Shaped like ``A``'s rows."""
+    gap = torch.where(mask, torch.nan_to_num(sampling_logps - logps, nan=0.0), 0.0)
+    mean_gap = gap.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1).to(gap.dtype)
+    return ((A >= 0) | (mean_gap <= threshold)).to(logps.dtype)
+
+
+@torch.no_grad()
+def grpo_high_entropy_mask(entropies, mask, top_entropy_quantile):
+    """The masked tokens in the top ``top_entropy_quantile`` of this batch's masked entropies: entropy at least the
+    ``1 - top_entropy_quantile`` quantile (TRL 1.16 ``GRPOTrainer.get_high_entropy_mask`` takes the quantile over
+    every rank's tokens; a trainer that wants that passes its mask as ``entropy_mask``)."""
+    values = entropies[mask]
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    values = values if values.dtype in (torch.float32, torch.float64) else values.float()  # (what quantile takes)
+    return mask & (entropies >= torch.quantile(values, 1.0 - top_entropy_quantile).to(entropies.dtype))
+
+
+def grpo_entropy_bonus(entropies, mask, *, entropy_coef, use_adaptive_entropy=False, entropy_target=0.2,
+                       last_world_entropy=math.inf):
+    """``(c H, H)``: the entropy bonus subtracted from the loss and the mean entropy ``H`` over ``mask`` (the tokens
+    the policy term acts on); gradients flow through ``entropies`` when it requires them. ``c = entropy_coef``,
+    but 0 under adaptive control while ``last_world_entropy > entropy_target`` (the last optimizer step's
+    all-reduced mean entropy; inf before the first: no bonus until a measurement exists)."""
+    H = torch.where(mask, entropies, 0.0).sum() / mask.sum().to(entropies.dtype).clamp(min=1)
+    gated = use_adaptive_entropy and not last_world_entropy <= entropy_target
+    return (0.0 if gated else entropy_coef) * H, H
 
 
 # ------------------------------------------------------------------ the sequence-level primitive
@@ -246,21 +362,81 @@ def _sequence_loss(p, logps, ref_logps, mask, inp):
 
 
 def _grpo(p, logps, ref_logps, mask, inp):
+    """GRPO with every TRL 1.16 option the params and inputs carry (the defaults are the kernels' four loss types
+    on a token-level ratio); see :func:`grpo`."""
+    if inp.tool_mask is not None:
+        mask = mask & (inp.tool_mask != 0)
     clipped, n_in, n = clip_log_ratio(logps, ref_logps, mask, p.clip)
+    A = token_advantages(inp.advantages, logps)
+    weight, entropy_mask = _grpo_token_weights(p, logps, ref_logps, mask, A, inp)
+    phi = None
+    if p.loss_type == "vespo":
+        phi = grpo_vespo_weights(clipped, mask, A, inp.importance_sampling_ratio, **_vespo_options(p))
     klr = ref_logps if inp.kl_ref_logps is None else inp.kl_ref_logps
-    per_token, k3, low, high = grpo_token_terms(logps, clipped, klr, inp.advantages, mask, beta=p.beta,
-                                                epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high)
+    per_token, kl, low, high = grpo_token_terms(
+        logps, clipped, klr, A, mask, beta=p.beta, epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high,
+        loss_type=p.loss_type, importance_sampling_level=p.importance_sampling_level, delta=p.delta,
+        sapo_temperature_pos=p.sapo_temperature_pos, sapo_temperature_neg=p.sapo_temperature_neg, phi=phi,
+        weight=weight, use_bias_correction_kl=p.use_bias_correction_kl)
     norm = inp.normalizer if inp.normalizer is not None else p.normalizer
     loss = grpo_aggregate(per_token, mask, loss_type=p.loss_type, normalizer=norm,
                           max_completion_length=p.max_completion_length)
     den = n.clamp(min=1)
     metrics = {
         "unclipped_frac": _frac(n_in, n).detach(),
-        "kl": torch.where(mask, k3, 0.0).sum() / den,
-        "clip_frac_low": low.sum().to(n.dtype) / den,
-        "clip_frac_high": high.sum().to(n.dtype) / den,
+        "kl": torch.where(mask, kl, 0.0).sum() / den,
+        "clip_frac_low": low.expand_as(mask).sum().to(n.dtype) / den,
+        "clip_frac_high": high.expand_as(mask).sum().to(n.dtype) / den,
     }
+    acting = mask if entropy_mask is None else mask & entropy_mask  # the tokens the policy term acts on
+    if p.entropy_coef != 0.0 or p.use_adaptive_entropy:
+        bonus, _ = grpo_entropy_bonus(inp.entropies, acting, entropy_coef=p.entropy_coef,
+                                      use_adaptive_entropy=p.use_adaptive_entropy, entropy_target=p.entropy_target,
+                                      last_world_entropy=p.last_world_entropy)
+        metrics["policy_loss"] = loss.detach()
+        loss = loss - bonus
+    if inp.entropies is not None:
+        metrics.update(_entropy_metrics(inp.entropies.detach(), mask, acting, den))
+    if phi is not None:
+        metrics["vespo_phi_mean"] = phi.mean() if phi.shape[1] == 1 else torch.where(mask, phi, 0.0).sum() / den
     return loss, metrics
+
+
+def _vespo_options(p):
+    return {"vespo_k_pos": p.vespo_k_pos, "vespo_lambda_pos": p.vespo_lambda_pos, "vespo_k_neg": p.vespo_k_neg,
+            "vespo_lambda_neg": p.vespo_lambda_neg}
+
+
+@torch.no_grad()
+def _grpo_token_weights(p, logps, ref_logps, mask, A, inp):
+    """The detached weight of the policy term (TRL's order: the off-policy mask, the high-entropy mask, the vLLM
+    importance weight; None when none applies) and the high-entropy mask (or None)."""
+    weight = None
+    if p.off_policy_mask_threshold is not None:
+        sampling = ref_logps if inp.sampling_per_token_logps is None else inp.sampling_per_token_logps
+        weight = grpo_off_policy_mask(logps, sampling, mask, A, p.off_policy_mask_threshold)
+    entropy_mask = inp.entropy_mask
+    if entropy_mask is None and p.top_entropy_quantile < 1.0:
+        entropy_mask = grpo_high_entropy_mask(inp.entropies, mask, p.top_entropy_quantile)
+    if entropy_mask is not None:
+        entropy_mask = entropy_mask & mask
+        weight = _times(weight, entropy_mask.to(logps.dtype))
+    if inp.importance_sampling_ratio is not None and p.loss_type != "vespo":  # VESPO folds it into phi
+        ratio = inp.importance_sampling_ratio.to(logps.dtype)
+        weight = _times(weight, ratio if ratio.dim() == 2 else ratio.reshape(-1, 1))
+    return weight, entropy_mask
+
+
+def _times(a, b):
+    return b if a is None else a * b
+
+
+def _entropy_metrics(entropies, mask, acting, den):
+    """``entropy`` (mean over the masked tokens), and the adaptive controller's window terms over the tokens the
+    policy term acts on: ``entropy_sum``, ``entropy_tokens``."""
+    return {"entropy": torch.where(mask, entropies, 0.0).sum() / den,
+            "entropy_sum": torch.where(acting, entropies, 0.0).sum(),
+            "entropy_tokens": acting.sum().to(entropies.dtype)}
 
 
 _LOSSES = {"dpo": _dpo, "kto": _kto, "grpo": _grpo, "ipo": _sequence_loss, "simpo": _sequence_loss,
@@ -381,12 +557,45 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
 
 
 def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None):
-    """Humanline GRPO from ``[B, T]`` log-probs and ``advantages`` ``[B]`` or ``[B, T]``; returns ``(loss,
-    metrics)``."""
-    p, norm = grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                          loss_type=loss_type, normalizer=normalizer, max_completion_length=max_completion_length)
-    inp = GRPOInputs(advantages, kl_ref_logps, norm)
+         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None,
+         importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+         vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, importance_sampling_ratio=None,
+         tool_mask=None, off_policy_mask_threshold=None, sampling_per_token_logps=None, top_entropy_quantile=1.0,
+         entropies=None, entropy_coef=0.0, use_adaptive_entropy=False, entropy_target=0.2,
+         last_world_entropy=math.inf, use_bias_correction_kl=False, entropy_mask=None):
+    r"""Humanline GRPO from ``[B, T]`` log-probs and ``advantages`` ``[B]`` or ``[B, T]``, with every option of TRL
+    1.16's ``GRPOTrainer`` (the keywords and defaults of :func:`humanline_kernels.reference.grpo`, which documents
+    each); returns ``(loss, metrics)``.
+
+    TRL's loss with its log-ratio ``log pi - log pi_old`` replaced by ``Delta_hat = clamp(log pi - log pi_ref, p,
+    r)``: ``ref_logps`` is the ratio's denominator (with ``clip=None`` and TRL's old log-probs, TRL's loss of one
+    micro-batch, before its division by the gradient-accumulation steps). Per token ``L = w u + beta k3``: ``u``
+    the policy term of ``loss_type`` (:func:`grpo_policy_term`) on ``rho = exp(Delta_hat)`` (or GSPO's sequence
+    ratio), ``w`` the detached token weights (the off-policy mask, the high-entropy mask, the vLLM
+    ``importance_sampling_ratio``: a ``[B, T]`` input of the loss, so nothing is recomputed over the vocabulary),
+    ``k3`` against ``kl_ref_logps`` or ``ref_logps``; aggregated by :func:`grpo_aggregate`; minus the entropy
+    bonus (:func:`grpo_entropy_bonus`, differentiable through ``entropies``).
+
+    One keyword beyond the reference's: ``entropy_mask`` (``[B, T]`` bool), a high-entropy mask computed by the
+    caller (TRL's takes its quantile over every rank's tokens); it replaces the quantile of this batch that
+    ``top_entropy_quantile`` asks for, and needs ``top_entropy_quantile < 1``.
+
+    Metrics: ``unclipped_frac``, ``kl``, ``clip_frac_low``, ``clip_frac_high``; with ``entropies``: ``entropy``,
+    ``entropy_sum``, ``entropy_tokens`` (an adaptive-entropy controller's window terms); with the entropy bonus:
+    ``policy_loss``; with "vespo": ``vespo_phi_mean``.
+    """
+    p, norm = grpo_params(
+        clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
+        normalizer=normalizer, max_completion_length=max_completion_length,
+        importance_sampling_level=importance_sampling_level, delta=delta, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
+        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef, use_adaptive_entropy=use_adaptive_entropy,
+        entropy_target=entropy_target, last_world_entropy=last_world_entropy,
+        use_bias_correction_kl=use_bias_correction_kl)
+    inp = GRPOInputs(advantages, kl_ref_logps, norm, importance_sampling_ratio=importance_sampling_ratio,
+                     tool_mask=tool_mask, sampling_per_token_logps=sampling_per_token_logps, entropies=entropies,
+                     entropy_mask=entropy_mask)
     V.check_logps(logps, ref_logps, mask)
-    V.check_grpo(p, logps.shape, logps, inp)
+    V.check_grpo_losses(p, logps, inp)
     return _grpo(p, logps, ref_logps, mask, inp)

@@ -62,6 +62,15 @@ def test_grpo_example(tmp_path):
     assert all(h["reward"] > 0 and h["grad_norm"] > 0 for h in logs), logs
 
 
+def test_grpo_example_off_policy_lookahead(tmp_path):
+    """--generate-every 2: one generation every 2 steps; --reference lookahead: no reference model."""
+    tr = _load("humanline_grpo").main(["--max-steps", "4", "--batch-size", "2", "--max-completion-length", "4",
+                                       "--output-dir", str(tmp_path), "--generate-every", "2", "--sync-every", "3",
+                                       "--reference", "lookahead", "--fused", "off"])
+    assert tr.ref_model is None and tr.args.steps_per_generation == 2 and tr.hk_la_syncs == 2  # steps 0 and 3
+    assert len([h for h in tr.state.log_history if "reward" in h]) == 2  # two generations in four steps
+
+
 def test_flash_attention_only_when_it_can_run(monkeypatch):
     """FA2 is requested only for a half-precision model on CUDA with flash_attn importable (it rejects fp32)."""
     import importlib.util as iu

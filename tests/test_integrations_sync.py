@@ -120,12 +120,10 @@ def test_refusals(tiny_path):
         HumanlineKTOTrainer(tiny_path, args=HumanlineKTOConfig(**kw, per_device_train_batch_size=2,
                                                                sync_ref_model=True),
                             train_dataset=T.kto_data(), processing_class=tok)
-    with pytest.raises(ValueError, match="one optimizer step"):
-        HumanlineGRPOTrainer(tiny_path, reward_funcs=T.digit_reward, train_dataset=T.grpo_data(), processing_class=tok,
-                             args=HumanlineGRPOConfig(**kw, **T.GRPO_KW, steps_per_generation=2))
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):  # also off: the loss lacks it
-        HumanlineGRPOTrainer(tiny_path, reward_funcs=T.digit_reward, train_dataset=T.grpo_data(), processing_class=tok,
-                             args=HumanlineGRPOConfig(**kw, **T.GRPO_KW, use_vllm=True, humanline=False))
+    with pytest.raises(ValueError, match="delta .* loss_type='sapo'"):  # (off-policy generation and vLLM's
+        HumanlineGRPOTrainer(tiny_path, reward_funcs=T.digit_reward, train_dataset=T.grpo_data(),  # weight: tests/
+                             processing_class=tok,  # test_trl_grpo_offpolicy.py, test_trl_grpo_options.py)
+                             args=HumanlineGRPOConfig(**kw, **T.GRPO_KW, loss_type="sapo", delta=1.5))
     with pytest.raises(ValueError, match="log_eps_p"):
         HumanlineDPOConfig(**kw, log_eps_p=1.0, log_eps_r=0.5)
     with pytest.raises(ValueError, match="fused"):

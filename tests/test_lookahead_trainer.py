@@ -1,7 +1,7 @@
 """``humanline_reference="lookahead"`` in the humanline DPO / KTO trainers: step for step the same training as
 ``humanline_reference="sync"`` (a reference model copied from the policy, synced every ``sync_every`` steps before
 the update), with gradient accumulation and across epoch boundaries; no reference model nor second copy of the
-parameters; GRPO and bad values refused."""
+parameters; GRPO with a generation per step and bad values refused."""
 import gc
 
 import pytest
@@ -231,12 +231,13 @@ def test_lookahead_holds_no_second_copy_of_the_parameters(tiny_path):
     assert alive["sync"] == 2 * policy_bytes
 
 
-def test_grpo_refuses_lookahead(tiny_path):
-    with pytest.raises(ValueError, match="generated online"):
+def test_grpo_refuses_lookahead_with_a_generation_per_step(tiny_path):
+    # (with a generation every N >= 2 steps it is accepted: tests/test_trl_grpo_offpolicy.py)
+    with pytest.raises(ValueError, match="next step's completions do not exist yet"):
         HumanlineGRPOConfig(**COMMON, output_dir=tiny_path + "/g", humanline_reference="lookahead")
     args = GRPOConfig(**COMMON, output_dir=tiny_path + "/g", per_device_train_batch_size=4, num_generations=2)
     args.humanline_reference = "lookahead"  # a plain TRL config with the field set by hand
-    with pytest.raises(ValueError, match="generated online"):
+    with pytest.raises(ValueError, match="next step's completions do not exist yet"):
         HumanlineGRPOTrainer(tiny_path, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
                              train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer())
 

@@ -17,9 +17,10 @@ Config fields (also read from a plain TRL config, with these defaults):
   :mod:`humanline_kernels.fused_linear`, inside the model's forward; "logits": the model's logits through
   :func:`humanline_kernels.token_logprobs`; "off": TRL's own chunked log-prob head. The loss is always
   :mod:`humanline_kernels.losses` on the per-token log-probs.
-* ``humanline_reference`` ("sync"): "lookahead" (DPO, KTO) keeps no reference model: the policy computes the
+* ``humanline_reference`` ("sync"): "lookahead" keeps no reference model: the policy computes the
   reference log-probs of the coming ``sync_every`` steps' batches at each sync step
-  (:class:`humanline_kernels.LookaheadReference`, docs/lookahead.md). GRPO refuses it (online data).
+  (:class:`humanline_kernels.LookaheadReference`, docs/lookahead.md); GRPO's from TRL's generation buffer, with a
+  generation every N >= 2 optimizer steps (:mod:`._grpo_lookahead`; refused with a generation every step).
 
 Layout: :mod:`.config` (the three configs, one shared set of fields and checks), :mod:`._common` (what the
 trainers share: reference forwards, syncing, PEFT reference adapters, logging), one module per trainer

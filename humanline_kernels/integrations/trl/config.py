@@ -28,8 +28,9 @@ class _HumanlineFields:
     sync_every: int = _hk_field(1, "Sync the reference from the policy every this many optimizer steps.")
     fused: str = _hk_field("linear", "Per-token log-probs: 'linear' (hidden+lm_head), 'logits' or 'off' (TRL's).")
     humanline_reference: str = _hk_field(
-        "sync", "'sync': a reference model synced from the policy; 'lookahead' (DPO/KTO): no reference model, the "
-        "policy computes the reference log-probs of the coming steps' batches at each sync step.")
+        "sync", "'sync': a reference model synced from the policy; 'lookahead': no reference model, the policy "
+        "computes the reference log-probs of the coming steps' batches at each sync step (GRPO: from the generation "
+        "buffer).")
 
     def __post_init__(self):
         super().__post_init__()
@@ -61,15 +62,25 @@ def reference_mode(args, name):
         raise ValueError(f"{name}: humanline_reference='lookahead' needs humanline=True (with humanline off the "
                          "reference is the fixed initial model; use humanline_reference='sync')")
     if mode == "lookahead" and isinstance(args, GRPOConfig):
-        raise ValueError(f"{name}: {GRPO_NO_LOOKAHEAD}")
+        grpo_lookahead_check(args, name)
     return mode
 
 
-GRPO_NO_LOOKAHEAD = (
-    "humanline_reference='lookahead' is not available for GRPO: its data is generated online, so the batch of "
-    "step t+1 (the policy's own completions after step t's update) does not exist at step t, before the update, "
-    "when the lookahead would have to compute its reference log-probs. Use humanline_reference='sync' (or a PEFT "
-    "policy, whose reference is a second adapter rather than a second model).")
+def grpo_lookahead_check(args, name):
+    """GRPO's lookahead needs the coming steps' completions before the sync step's update: a generation batch that
+    spans whole optimizer steps, at least two (TRL's buffer then holds the next steps' micro-batches)."""
+    accum = args.gradient_accumulation_steps
+    spg = args.steps_per_generation or accum  # (None before TRL's own __post_init__ has set it)
+    span = spg * args.num_iterations  # micro-batches per generation
+    if span % accum or span < 2 * accum:
+        raise ValueError(
+            f"{name}: humanline_reference='lookahead' computes, at each sync step and before its update, the "
+            "reference log-probs of the next steps' micro-batches from TRL's generation buffer; here a generation "
+            f"batch spans {span} micro-batches (steps_per_generation * num_iterations) for {accum} per optimizer "
+            "step (gradient_accumulation_steps), so the next step's completions do not exist yet at that point "
+            "(they are sampled by the updated policy). Sample every N >= 2 optimizer steps (steps_per_generation * "
+            "num_iterations a multiple of gradient_accumulation_steps, at least twice it), or use "
+            "humanline_reference='sync'.")
 
 
 @dataclass
@@ -91,5 +102,5 @@ class HumanlineKTOConfig(_HumanlineFields, KTOConfig):
 
 @dataclass
 class HumanlineGRPOConfig(_HumanlineFields, GRPOConfig):
-    """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``
-    (``humanline_reference`` must stay "sync")."""
+    """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
+    ``humanline_reference`` ("lookahead" with a generation batch spanning at least two optimizer steps)."""
