@@ -562,7 +562,7 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
          vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, importance_sampling_ratio=None,
          tool_mask=None, off_policy_mask_threshold=None, sampling_per_token_logps=None, top_entropy_quantile=1.0,
          entropies=None, entropy_coef=0.0, use_adaptive_entropy=False, entropy_target=0.2,
-         last_world_entropy=math.inf, use_bias_correction_kl=False, entropy_mask=None):
+         last_world_entropy=math.inf, use_bias_correction_kl=False, entropy_mask=None, packed=None):
     r"""Humanline GRPO from ``[B, T]`` log-probs and ``advantages`` ``[B]`` or ``[B, T]``, with every option of TRL
     1.16's ``GRPOTrainer`` (the keywords and defaults of :func:`humanline_kernels.reference.grpo`, which documents
     each); returns ``(loss, metrics)``.
@@ -580,10 +580,18 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     caller (TRL's takes its quantile over every rank's tokens); it replaces the quantile of this batch that
     ``top_entropy_quantile`` asks for, and needs ``top_entropy_quantile < 1``.
 
+    ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, every per-token input ``[N]`` (moved to
+    the padded rows; "dr_grpo" without ``max_completion_length`` then divides by the longest sequence, as padded
+    rows as wide as it would).
+
     Metrics: ``unclipped_frac``, ``kl``, ``clip_frac_low``, ``clip_frac_high``; with ``entropies``: ``entropy``,
     ``entropy_sum``, ``entropy_tokens`` (an adaptive-entropy controller's window terms); with the entropy bonus:
     ``policy_loss``; with "vespo": ``vespo_phi_mean``.
     """
+    (logps, ref_logps, mask, advantages, kl_ref_logps, importance_sampling_ratio, tool_mask, sampling_per_token_logps,
+     entropies, entropy_mask) = unpacked(packed, logps, ref_logps, mask, advantages, kl_ref_logps,
+                                         importance_sampling_ratio, tool_mask, sampling_per_token_logps, entropies,
+                                         entropy_mask)
     p, norm = grpo_params(
         clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
         normalizer=normalizer, max_completion_length=max_completion_length,

@@ -65,7 +65,7 @@ CASES = {
     "simpo": ("simpo", dict(clip=CLIP), [], []),
     "slic": ("slic", dict(clip=CLIP), [], []),
 }
-LOSSES_LEVEL = [c for c in CASES if CASES[c][0] != "grpo"]  # (GRPO at the log-prob level: with issue 37's options)
+LOSSES_LEVEL = list(CASES)
 
 
 def _scalar(name, out):
@@ -108,6 +108,8 @@ def _call(level, case, b, layout, chunk_bytes=None):
         mask = P(b["y"] != -100)
         if fn in ("simpo", "slic"):
             out = getattr(hk.losses, fn)(lp, mask, **kw, **extra)
+        elif fn == "grpo":
+            out = hk.losses.grpo(lp, tok[0], tok[1] if len(tok) > 1 else seq[0], mask, **kw, **extra)
         else:
             out = getattr(hk.losses, fn)(lp, *tok, mask, *seq, **kw, **extra)
         return _scalar(fn, out), _metrics(fn, out), (lp,)
@@ -218,6 +220,49 @@ def test_fused_linear_token_logprobs_supervised(layout, interp, monkeypatch):
         (g,) = torch.autograd.grad(lp.sum() + 0.1 * ent.sum(), h)
         (g0,) = torch.autograd.grad(lp0.sum() + 0.1 * torch.where(b["y"] != -100, ent0, 0.0).sum(), h0)
         torch.testing.assert_close(g, P(g0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("opts, inputs", [
+    (dict(loss_type="cispo"), ("importance_sampling_ratio", "tool_mask")),
+    (dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04, use_bias_correction_kl=True),
+     ("tool_mask",)),
+    (dict(loss_type="sapo", entropy_coef=0.01), ("entropies", "importance_sampling_ratio")),
+    (dict(loss_type="dapo", top_entropy_quantile=0.5, off_policy_mask_threshold=0.3),
+     ("entropies", "sampling_per_token_logps")),
+])
+def test_losses_grpo_packed_with_per_token_options(opts, inputs):
+    """hk.losses.grpo with TRL's per-token inputs (vLLM importance weight, tool mask, sampling log-probs, entropies,
+    token advantages) packed: every one moved to the padded rows, the loss and gradients of the padded call."""
+    b = _batch(seed=4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    S, T = b["y"].shape
+    lp0 = R.token_logprobs(b["logits"].double(), b["y"])
+    mask = b["y"] != -100
+    per_token = dict(importance_sampling_ratio=torch.rand(S, T, generator=g, dtype=torch.float64) + 0.5,
+                     tool_mask=torch.rand(S, T, generator=g) > 0.2,
+                     sampling_per_token_logps=lp0 - 0.1 * torch.rand(S, T, generator=g, dtype=torch.float64),
+                     entropies=torch.rand(S, T, generator=g, dtype=torch.float64) * 2)
+    per_token = {k: v for k, v in per_token.items() if k in inputs}
+    adv = b["adv_tok"].double()
+    ent = per_token.get("entropies", torch.zeros(S, T, dtype=torch.float64))
+    ent_leaf0, ent_leaf = ent.clone().requires_grad_(), pack(ent).clone().requires_grad_()
+    lpa, lpb = lp0.clone().requires_grad_(), pack(lp0).clone().requires_grad_()
+    kw0 = dict(per_token)
+    kw1 = {k: pack(v) for k, v in per_token.items()}
+    if "entropies" in per_token:
+        kw0["entropies"], kw1["entropies"] = ent_leaf0, ent_leaf
+    a = hk.losses.grpo(lpa, b["ref"].double(), adv, mask, clip=CLIP, **kw0, **opts)
+    c = hk.losses.grpo(lpb, pack(b["ref"].double()), pack(adv), pack(mask), clip=CLIP, packed=hk.Packed(b["cu"]),
+                       **kw1, **opts)
+    torch.testing.assert_close(c[0], a[0])
+    for k in a[1]:
+        torch.testing.assert_close(c[1][k], a[1][k], msg=k)
+    ga = torch.autograd.grad(a[0], (lpa, ent_leaf0), allow_unused=True)
+    gc = torch.autograd.grad(c[0], (lpb, ent_leaf), allow_unused=True)
+    for x, y in zip(gc, ga):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, pack(y))
 
 
 def test_kto_kl_rows_packed():
