@@ -85,14 +85,18 @@ def _frozen_copy(policy):
 
 
 def _batches(a, device):
-    """DPO batches: rows 0..B/2-1 chosen, B/2.. rejected; the first half of each row is prompt (label -100)."""
+    """DPO batches ``(ids, labels, supervised)``: rows 0..B/2-1 chosen, B/2.. rejected; the first half of each row is
+    prompt (label -100). ``supervised``: with ``--supervised`` the completions' ranges, which the fused arms pass
+    to ``hk.fused_linear`` (the lm_head then runs on the completion half only), else None."""
     g = torch.Generator().manual_seed(1)
     out = []
+    start = a.seq // 2 - 1
+    sup = [[start, a.seq - 1]] * a.batch if a.supervised else None
     for _ in range(N_BATCHES):
         ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
         labels = ids[:, 1:].clone()
-        labels[:, : a.seq // 2 - 1] = -100
-        out.append((ids.to(device), labels.to(device)))
+        labels[:, :start] = -100
+        out.append((ids.to(device), labels.to(device), sup))
     return out
 
 
@@ -103,18 +107,19 @@ def _hidden(model, ids):
 
 def _fused_ref_logps(model, batch):
     """Reference log-probs through the fused lm_head, nothing saved (the ``logps_fn`` of the lookahead too)."""
-    ids, labels = batch
-    return hk().fused_linear.token_logprobs_nograd(_hidden(model, ids), model.lm_head.weight, labels, validate=False)
+    ids, labels, sup = batch
+    return hk().fused_linear.token_logprobs_nograd(_hidden(model, ids), model.lm_head.weight, labels, validate=False,
+                                                   supervised=sup)
 
 
 def _fused_loss(model, batch, ref, clip):
-    ids, labels = batch
+    ids, labels, sup = batch
     return hk().fused_linear.dpo(_hidden(model, ids), model.lm_head.weight, labels, ref, clip=clip,
-                                 validate=False)[0]
+                                 validate=False, supervised=sup)[0]
 
 
 def _eager_logps(model, batch):
-    ids, labels = batch
+    ids, labels, _ = batch
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
     return hk().reference.token_logprobs(logits, labels, validate=False)
 
@@ -281,6 +286,8 @@ def main(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"default {FULL[k]} ({QUICK[k]} with --quick)")
     p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']})")
+    p.add_argument("--supervised", action="store_true",
+                   help="the hk arms run the lm_head on the completion half of each row only (supervised= ranges)")
     a = p.parse_args(argv)
     defaults = QUICK if a.quick else FULL
     for k, v in defaults.items():
@@ -343,6 +350,7 @@ def main(argv=None):
     meta = {"device": device, "dtype": precision, "params": n_params, "model": "LlamaForCausalLM (random init, "
             "untied lm_head, sdpa attention)", "config": {k: getattr(a, k) for k in FULL}, "arms": arms,
             "tokens_per_step": a.batch * a.seq, "target_x_offline": TARGET, "checks": checks,
+            "supervised": "hk arms: lm_head on the completion half only" if a.supervised else None,
             "losses": {arm: r["losses"] for arm, r in res.items()},
             "optimizer": "torch.optim.AdamW(fused=True), zero_grad(set_to_none=True)",
             "timing": "median over the timed steps: CUDA events per step (perf_counter on CPU)",
@@ -351,7 +359,8 @@ def main(argv=None):
             "held_GiB": "bytes held between steps: parameters, optimizer state, reference model, cached "
                         "reference log-probs (gradients and activations not included)",
             "driver": common.driver_version()}
-    common.save("e2e" + ("_quick" if a.quick else ""), rows, meta, a.out, series="arm",
+    common.save("e2e" + ("_supervised" if a.supervised else "") + ("_quick" if a.quick else ""), rows, meta, a.out,
+                series="arm",
                 bar=("ms", "peak_GiB" if device == "cuda" else "held_GiB"))
     bad = [n for n, c in checks.items() if n != "reference_moved" and not c["ok"]]
     if bad:

@@ -6,15 +6,19 @@ Stages, in order (each one's output goes to ``DIR/gpu.log``; a failing stage is 
 
 1. ``tests``: the GPU tests (``pytest -m gpu``: compiled kernels, asserted to be the path that ran);
 2. ``parity``: every fused path against ``hk.reference`` at N = 8192, V = 128256, bf16 -- ``token_logprobs``, GRPO
-   (clip on and off, each ``loss_type``, gradient in the forward, in place), DPO, KTO, fused linear at D = 4096 --
+   (clip on and off, each ``loss_type``, gradient in the forward, in place), DPO, KTO, packed batches (host and
+   device boundaries), fused linear at D = 4096 (dense and on the supervised tokens only) --
    with docs/design.md's tolerances (log-probs 2e-3 absolute, loss 2e-3, gradients 1e-2 relative norm);
 3. ``demo``: ``python -m humanline_kernels.demo --device cuda`` (2 seeds, one learning rate, 30 steps);
-4. ``host``, ``logits``, ``linear``, ``sync``: the benchmarks (``python -m bench NAME``), JSON and PNG into DIR;
+4. ``host``, ``logits``, ``linear``, ``masks`` (``bench linear --ignored 0 50 75``: the supervised tokens only),
+   ``sync``: the benchmarks (``python -m bench NAME``), JSON and PNG into DIR;
 5. ``e2e``: one DPO step of a 1.5 B Llama, offline vs humanline sync / lookahead / the authors' way.
 
 Writes ``DIR/gpu.json`` (environment, every stage's status and numbers) and prints a short table last, with the
-peers that ran. Made to finish in under 9 minutes on one H100 (run 1, without e2e: 372 s; e2e is expected to take
-about a minute, and is killed at its budget of 150 s).
+peers that ran. Made to finish in under 9 minutes on one H100 without ``masks`` and ``e2e`` (run 1, without e2e:
+372 s); e2e is expected to take about a minute and ``masks`` about two (estimated), each killed at its budget of
+150 s: on a 10-minute command limit run those two in a second command (``--skip tests parity demo host logits
+linear sync``).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 
 from . import common
 
-STAGES = ("tests", "parity", "demo", "host", "logits", "linear", "sync", "e2e")
+STAGES = ("tests", "parity", "demo", "host", "logits", "linear", "masks", "sync", "e2e")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,10 +76,11 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def parity(N, V, D):
-    """Every fused path against hk.reference at one big shape; returns rows with errors and a pass flag."""
+def parity(N, V, D, device="cuda"):
+    """Every fused path against hk.reference at one big shape; returns rows with errors and a pass flag
+    (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/test_bench_cli.py runs it)."""
     import humanline_kernels as hk
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = device, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     B = 8
     T = N // B
@@ -140,7 +145,28 @@ def parity(N, V, D):
         kl = (ref[:2] - 0.1, ref[:2], mask[:2])
         check(f"fused.kto {tag}", lambda z, c=c: hk.fused.kto(z, y, ref, des, *kl, clip=c)[0],
               lambda z, c=c: hk.reference.kto(hk.reference.token_logprobs(z, y), ref, mask, des, *kl, clip=c)[0], x)
-    del x
+    # a packed batch (issue 33): the same rows end to end, the row kernels through the token map; boundaries on the
+    # host (as TRL's collator makes them) and on the device with max_seqlen
+    lens = [T - (i * T) // (2 * B) for i in range(B)]  # from T down to about T / 2
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    xp = torch.cat([x[i, :n] for i, n in enumerate(lens)])
+    yp, rp = (torch.cat([t[i, :n] for i, n in enumerate(lens)]) for t in (y, ref))
+    yl = torch.full_like(y, -100)
+    for i, n in enumerate(lens):
+        yl[i, :n] = y[i, :n]
+    ml = yl != -100
+    for pk, tag in ((hk.Packed(cu), "host cu"), (hk.Packed(torch.tensor(cu, device=dev), max(lens)), "device cu")):
+        check(f"fused.dpo packed ({tag})", lambda z, pk=pk: hk.fused.dpo(z, yp, rp, clip=clip, packed=pk)[0],
+              lambda z: hk.reference.dpo(hk.reference.token_logprobs(_unpack(z, lens, T), yl), ref, ml,
+                                         clip=clip)[0], xp)
+        check(f"fused.grpo packed grad_in_forward ({tag})",
+              lambda z, pk=pk: hk.fused.grpo(z, yp, rp, adv, clip=clip, beta=0.04, grad_in_forward=True,
+                                             packed=pk)[0],
+              lambda z: hk.reference.grpo(hk.reference.token_logprobs(_unpack(z, lens, T), yl), ref, adv, ml,
+                                          clip=clip, beta=0.04)[0], xp)
+    del x, xp
     torch.cuda.empty_cache()
     h = torch.randn(B, T, D, device=dev, generator=g).to(bf)
     w = (torch.randn(V, D, device=dev, generator=g) * D ** -0.5).to(bf)
@@ -167,13 +193,23 @@ def parity(N, V, D):
         return hk.reference.kto(lp, ref_l, mask, des, **kw)[0]
 
     args = {"grpo": (ref_l, adv), "dpo": (ref_l,), "kto": (ref_l, des)}
+    sup = [[T // 8, T]] * B  # the supervised positions (issue 33): the rows' completions
     for name in ("grpo", "dpo", "kto"):
         check(f"fused_linear.{name} D={D} (grad wrt weight)",
               lambda ww, n=name: getattr(hk.fused_linear, n)(h, ww, y, *args[n])[0],
               lambda ww, n=name: lin_ref(n, ww), w)
+        check(f"fused_linear.{name} supervised D={D} (grad wrt weight)",
+              lambda ww, n=name: getattr(hk.fused_linear, n)(h, ww, y, *args[n], supervised=sup)[0],
+              lambda ww, n=name: lin_ref(n, ww), w)
     check(f"fused_linear.token_logprobs D={D} (grad wrt weight)", lambda ww: hk.fused_linear.token_logprobs(h, ww, y),
           lambda ww: hk.reference.token_logprobs(logits(ww), y), w, logp=True, logp_tol=max(2e-3, ulp))
     return rows
+
+
+def _unpack(xp, lens, T):
+    """Packed rows ``[N, ...]`` as padded ``[B, T, ...]`` (zeros after each row's length), differentiably."""
+    rows = torch.split(xp, lens)
+    return torch.stack([torch.nn.functional.pad(r, (0, 0) * (r.dim() - 1) + (0, T - r.shape[0])) for r in rows])
 
 
 # -------------------------------------------------------------------------------------------------------- main
@@ -209,7 +245,7 @@ def main(argv=None):
     report = {"env": _env(), "stages": {}}
     log.write(json.dumps(report["env"]) + "\n")
     py = sys.executable
-    budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "linear": 150, "sync": 120,
+    budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "linear": 150, "masks": 150, "sync": 120,
                "e2e": 150}  # 5 arms x (build + 13 steps of ~0.2 s): ~1 min expected, margin for Triton compiles
     suite = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
     if a.with_suite:
@@ -227,6 +263,8 @@ def main(argv=None):
         "host": [py, "-m", "bench", "host", "--out", a.out],
         "logits": [py, "-m", "bench", "logits", "--out", a.out, "--vocab", "32000", "128256", "151936"],
         "linear": [py, "-m", "bench", "linear", "--out", a.out, "--chunk-mib", "512", "1024"],
+        # issue 33: the supervised tokens only against the dense GEMM floor at prompt-like masks, and the peers
+        "masks": [py, "-m", "bench", "linear", "--out", a.out, "--chunk-mib", "512", "--ignored", "0", "50", "75"],
         "sync": [py, "-m", "bench", "sync", "--out", a.out, "--gemms", "40"],
         "e2e": [py, "-m", "bench", "e2e", "--out", a.out],
     }

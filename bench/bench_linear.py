@@ -8,6 +8,11 @@ materialised), a torch.compile'd chunked version (checkpointed per chunk), torch
 ``LigerFusedLinear{GRPO,DPO,KTO}Loss`` (``use_ref_model=False``: no reference GEMM), quack ``linear_cross_entropy``
 and Apple ``cut_cross_entropy`` (plain cross-entropy; shown for the GEMM-floor comparison). ``--quick`` is a tiny
 CPU smoke run of the same code.
+
+``--ignored 0 50 75``: prompt-like masks (the first 0 / 50 / 75 % of every row ignored); ours dense and on the
+supervised tokens only (``supervised=`` ranges), and every peer on the same masks, against the dense GEMM floor;
+writes ``linear_masks.json`` / ``.png`` (ratio against the ignored share). Target (docs/design.md, issue 33): at
+50 % ignored, ``hk.fused_linear.dpo`` with ``supervised`` at most 0.55x the dense floor.
 """
 from __future__ import annotations
 
@@ -21,20 +26,22 @@ from . import common
 GiB = float(1 << 30)
 
 
-def _inputs(B, T, D, V, dtype, device, seed=0):
+def _inputs(B, T, D, V, dtype, device, seed=0, prompt=None):
+    """``prompt``: ignored positions at the start of each row (default ``T // 8``)."""
     g = torch.Generator(device=device).manual_seed(seed)
     h = torch.randn(B, T, D, device=device, dtype=dtype, generator=g).requires_grad_()
     w = (torch.randn(V, D, device=device, dtype=dtype, generator=g) * D ** -0.5).requires_grad_()
     y = torch.randint(0, V, (B, T), device=device, generator=g)
-    y[:, :T // 8] = -100  # prompt tokens
+    y[:, :T // 8 if prompt is None else prompt] = -100  # prompt tokens
     import humanline_kernels as hk
     ref = hk.fused_linear.token_logprobs_nograd(h, w, y) + 0.1 * torch.randn(B, T, device=device, generator=g)
     adv = torch.randn(B, device=device, generator=g)
     return h, w, y, ref, adv
 
 
-def _cases(h, w, y, ref, adv, chunk_bytes, quick):
-    """name -> fn() running forward + backward (grads reset first)."""
+def _cases(h, w, y, ref, adv, chunk_bytes, quick, supervised=None):
+    """name -> fn() running forward + backward (grads reset first). ``supervised``: also our losses on the
+    supervised positions only (``hk.fused_linear``'s ``supervised=`` ranges)."""
     import humanline_kernels as hk
     B, T, D = h.shape
     V = w.shape[0]
@@ -66,6 +73,11 @@ def _cases(h, w, y, ref, adv, chunk_bytes, quick):
     cases["ours_kto"] = fb(lambda: hk.fused_linear.kto(h, w, y, ref, des, chunk_bytes=cb, validate=False)[0])
     cases["ours_token_logprobs(recompute)"] = fb(
         lambda: hk.fused_linear.token_logprobs(h, w, y, chunk_bytes=cb, validate=False).sum())
+    if supervised is not None:
+        sv = dict(chunk_bytes=cb, validate=False, supervised=supervised)
+        cases["ours_grpo(supervised)"] = fb(lambda: hk.fused_linear.grpo(h, w, y, ref, adv, **sv)[0])
+        cases["ours_dpo(supervised)"] = fb(lambda: hk.fused_linear.dpo(h, w, y, ref, **sv)[0])
+        cases["ours_kto(supervised)"] = fb(lambda: hk.fused_linear.kto(h, w, y, ref, des, **sv)[0])
 
     def grpo_from(lp):
         return hk.losses.grpo(lp.view(B, T), ref, adv, mask)[0]
@@ -142,22 +154,42 @@ def main(argv=None):
     p.add_argument("--V", type=int, default=128256)
     p.add_argument("--chunk-mib", type=int, nargs="+", default=[512, 256, 1024],
                    help="logits-buffer budgets for ours (the first one is used for DPO/KTO/log-probs)")
+    p.add_argument("--ignored", type=int, nargs="+", default=None, metavar="PCT",
+                   help="prompt-like masks: the first PCT %% of each row ignored (e.g. 0 50 75); ours dense and on the "
+                        "supervised tokens only, and the peers, against the dense GEMM floor (writes linear_masks.*)")
     a = p.parse_args(argv)
+    if a.ignored is not None and any(not 0 <= x < 100 for x in a.ignored):
+        p.error(f"--ignored takes percentages in [0, 100), got {a.ignored}")
     device = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"
     if a.quick:
         B, T, D, V, dtype, chunks = 4, 32, 64, 1000, torch.float32, [1 << 18]
     else:
         B, T, D, V, dtype, chunks = a.rows, a.T, a.D, a.V, torch.bfloat16, [m << 20 for m in a.chunk_mib]
+    if a.ignored is not None:
+        return _run_masks(B, T, D, V, dtype, device, chunks[:1], a.ignored, a.quick, a.out)
     h, w, y, ref, adv = _inputs(B, T, D, V, dtype, device)
-    cases = _cases(h, w, y, ref, adv, chunks, a.quick)
-    rep = 3 if a.quick else 20
+    rows = _time_cases(_cases(h, w, y, ref, adv, chunks, a.quick), h, w, a.quick)
+    meta = {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device,
+            "chunk_bytes": chunks, "flops_floor": 6 * B * T * D * V,
+            "dW_bytes(param dtype)": V * D * w.element_size(), "dW_fp32_accumulator_bytes": 4 * V * D,
+            "note": "peak_extra_GiB: peak allocated during fwd+bwd beyond what existed before, including the "
+                    "returned grads (h.grad, w.grad) and, for ours, the transient fp32 dW accumulator"}
+    common.save("linear_quick" if a.quick else "linear", rows, meta, a.out)
+    _plot(rows, os.path.join(a.out, ("linear_quick" if a.quick else "linear") + ".png"), meta)
+    return 0
+
+
+def _time_cases(cases, h, w, quick, progress=""):
+    """Rows ``{impl, ms, ratio_to_gemm, peak_extra_GiB, note}``: each case timed after the GEMM floor."""
+    rep = 3 if quick else 20
     floor_ms, rows = None, []
-    for name, fn in cases.items():
+    for i, (name, fn) in enumerate(cases.items()):
+        print(f"[linear{progress} {i + 1}/{len(cases)}] {name}", flush=True)
         if isinstance(fn, str):
             rows.append({"impl": name, "ms": None, "ratio_to_gemm": None, "peak_extra_GiB": None, "note": fn})
             continue
         try:
-            ms = common.time_ms(fn, warmup=2 if a.quick else 5, rep=rep)
+            ms = common.time_ms(fn, warmup=2 if quick else 5, rep=rep)
             peak = common.peak_extra_bytes(fn)
             note = ""
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the table
@@ -167,13 +199,35 @@ def main(argv=None):
         rows.append({"impl": name, "ms": ms, "ratio_to_gemm": (ms / floor_ms) if ms and floor_ms else None,
                      "peak_extra_GiB": None if peak is None else peak / GiB, "note": note})
         h.grad = w.grad = None
+    return rows
+
+
+# the peers and our dense rows compute every position; the design's target is on ours with the supervised tokens
+MASK_TARGET = {"impl": "ours_dpo(supervised)", "ignored_pct": 50, "ratio_to_gemm": 0.55}
+
+
+def _run_masks(B, T, D, V, dtype, device, chunks, ignored, quick, out):
+    """Each prompt-like mask: the same cases (ours dense, ours on the supervised tokens, the peers) against the
+    dense GEMM floor (all ``B T`` positions) measured in the same run."""
+    rows = []
+    for k, pct in enumerate(ignored):
+        start = T * pct // 100
+        h, w, y, ref, adv = _inputs(B, T, D, V, dtype, device, prompt=start)
+        sup = [[start, T]] * B
+        cases = _cases(h, w, y, ref, adv, chunks, quick, supervised=sup)
+        for r in _time_cases(cases, h, w, quick, progress=f" {pct}% ignored ({k + 1}/{len(ignored)})"):
+            rows.append({"ignored_pct": pct, **r})
+        del h, w, y, ref, adv, cases
+    t = MASK_TARGET
+    hit = [r for r in rows if r["impl"] == t["impl"] and r["ignored_pct"] == t["ignored_pct"]]
     meta = {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device,
-            "chunk_bytes": chunks, "flops_floor": 6 * B * T * D * V,
-            "dW_bytes(param dtype)": V * D * w.element_size(), "dW_fp32_accumulator_bytes": 4 * V * D,
-            "note": "peak_extra_GiB: peak allocated during fwd+bwd beyond what existed before, including the "
-                    "returned grads (h.grad, w.grad) and, for ours, the transient fp32 dW accumulator"}
-    common.save("linear_quick" if a.quick else "linear", rows, meta, a.out)
-    _plot(rows, os.path.join(a.out, ("linear_quick" if a.quick else "linear") + ".png"), meta)
+            "chunk_bytes": chunks, "ignored_pct": ignored, "flops_floor_dense": 6 * B * T * D * V,
+            "target": t, "target_met": (hit[0]["ratio_to_gemm"] <= t["ratio_to_gemm"])
+            if hit and hit[0]["ratio_to_gemm"] else None,
+            "note": "ratio_to_gemm: time / the dense lm_head GEMM fwd+bwd over all B*T positions (the same floor at "
+                    "every mask); the peers and ours dense compute every position"}
+    name = "linear_masks_quick" if quick else "linear_masks"
+    common.save(name, rows, meta, out, x="ignored_pct", y="ratio_to_gemm")
     return 0
 
 

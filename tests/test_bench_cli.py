@@ -102,3 +102,37 @@ def test_host_proxy_runs_and_refuses_bad_flags(tmp_path):
     r = _bench("host", "--proxy", "--calls", "0")
     assert r.returncode == 2 and len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
     assert "Traceback" not in r.stderr
+
+
+def test_linear_masks_quick_runs_and_refuses_bad_flags(tmp_path, monkeypatch):
+    """``python -m bench linear --ignored``: ours dense and supervised and the peers at each mask against one dense
+    floor, the target recorded; a percentage outside [0, 100) is a one-line error."""
+    import json
+
+    from bench import bench_linear
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the eager CPU path: the smoke run, not the interpreter
+    assert bench_linear.main(["--quick", "--ignored", "0", "50", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "linear_masks_quick.json").read_text())
+    rows = data["rows"]
+    assert {r["ignored_pct"] for r in rows} == {0, 50}
+    for pct in (0, 50):
+        names = {r["impl"] for r in rows if r["ignored_pct"] == pct and r["ms"]}
+        assert {"lm_head_gemm_fwd_bwd", "ours_dpo", "ours_dpo(supervised)", "ours_grpo(supervised)"} <= names
+    assert data["meta"]["target"] == {"impl": "ours_dpo(supervised)", "ignored_pct": 50, "ratio_to_gemm": 0.55}
+    r = _bench("linear", "--quick", "--ignored", "100")
+    assert r.returncode == 2 and len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("interp", ["1", "0"], ids=["interpreter", "eager"])
+def test_gpu_parity_stage_runs_on_a_small_cpu_shape(interp, monkeypatch):
+    """``bench gpu``'s parity stage (every fused path, packed batches and the supervised tokens included, against
+    hk.reference) is code a GPU session runs unseen: run it here on a small shape so it cannot fail for a typo."""
+    from bench import bench_gpu
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    rows = bench_gpu.parity(N=64, V=50, D=16, device="cpu")
+    names = {r["case"] for r in rows}
+    assert {"fused.dpo packed (host cu)", "fused.grpo packed grad_in_forward (device cu)",
+            "fused_linear.dpo supervised D=16 (grad wrt weight)"} <= names
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad

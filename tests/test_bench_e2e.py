@@ -62,3 +62,16 @@ def test_bad_flags_are_one_line(args, says):
 def test_full_size_refuses_cpu_in_one_line():
     r = _e2e()
     assert r.returncode == 2 and "needs a CUDA device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_quick_supervised_computes_the_same_losses(tmp_path):
+    """``--supervised``: the hk arms run the lm_head on the completion half only; every arm's losses equal the
+    dense run's (the eager authors' arm computes every position either way)."""
+    dense = _e2e("--quick", "--out", str(tmp_path))
+    sup = _e2e("--quick", "--supervised", "--out", str(tmp_path))
+    assert dense.returncode == 0 and sup.returncode == 0, sup.stdout + sup.stderr
+    d = json.loads((tmp_path / "e2e_quick.json").read_text())["meta"]["losses"]
+    s = json.loads((tmp_path / "e2e_supervised_quick.json").read_text())
+    assert s["meta"]["supervised"]
+    for arm, losses in d.items():
+        assert s["meta"]["losses"][arm] == pytest.approx(losses, abs=1e-5), arm
