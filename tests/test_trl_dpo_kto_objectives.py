@@ -322,12 +322,15 @@ def test_kto_refusals(tiny_path, cfg, match):
                             train_dataset=kto_data(), processing_class=tiny.tiny_tokenizer())
 
 
-def test_dpo_padding_free_falls_back_to_padding_as_trl_does(tiny_path):
-    """TRL 1.16's DPOTrainer turns padding_free off with a warning and trains padded: so do we (no refusal)."""
+def test_dpo_padding_free_packs_where_trl_falls_back_to_padding(tiny_path):
+    """TRL 1.16's DPOTrainer turns padding_free off with a warning and trains padded; ours packs each micro-batch
+    into one row (tests/test_trl_layouts.py: the same loss and gradients as padded)."""
     tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**COMMON, output_dir=tiny_path + "/p",
                                                                 padding_free=True, humanline=False),
                              train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer())
-    assert tr.padding_free is False
+    assert tr.padding_free is True and tr.args.padding_free is True
+    batch = next(iter(tr.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch and "position_ids" in batch
 
 
 # ------------------------------------------------------------------------------------------------ one pass

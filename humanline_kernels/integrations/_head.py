@@ -9,15 +9,25 @@ FSDP's and ZeRO-3's forward hooks have gathered the lm_head weight (FSDP2 DTenso
 ``full_tensor()``, ZeRO-3 with TRL's ``maybe_gather_lm_head_ctx``, as TRL's own head does). ``fused="off"``
 leaves TRL's head. The result is TRL's ``FusedCausalLMOutput`` with ``log_probs`` (``[B, L-1]``, 0 where the
 label is -100) and, for the policy, a detached ``entropy``; the other per-token fields are None.
+
+Layouts (``fused="linear"``): ``hk_supervised=[[start, end), ...]`` (host ints, one range per row, or per packed
+sequence with ``hk_cu_seqlens``, in the head's coordinates: position ``t`` predicts token ``t + 1``) runs the lm_head
+on those positions only; ``hk_cu_seqlens`` (host ints) are the packed stream's boundaries, as flash-attn's varlen
+takes them. The trainers compute both on the CPU where the batch is collated (:mod:`.trl._layouts`); code that calls
+the model itself (TRL's GRPO) passes the ranges through :func:`supervised_rows`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import types
 
 import torch
 
 FUSED_MODES = ("linear", "logits", "off")
+# the ranges of head calls made by code that passes no keyword of ours (TRL's GRPO calls the model itself)
+_ROWS = contextvars.ContextVar("hk_supervised_rows", default=None)
 
 
 def check_head_supported(model, fused: str) -> None:
@@ -47,16 +57,46 @@ def install_head(model, fused: str, temperature: float = 1.0, entropy: bool = Tr
     trl_forward = model.forward
 
     @functools.wraps(type(model).forward)
-    def _humanline_forward(self, *args, fused_lm_head=False, labels=None, hk_entropy=None, **kwargs):
+    def _humanline_forward(self, *args, fused_lm_head=False, labels=None, hk_entropy=None, hk_supervised=None,
+                           hk_cu_seqlens=None, **kwargs):
         if not fused_lm_head:
             return trl_forward(*args, labels=labels, **kwargs)
         want_entropy = entropy if hk_entropy is None else hk_entropy
-        return _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, labels, kwargs)
+        layout = (_ROWS.get() if hk_supervised is None else hk_supervised), hk_cu_seqlens
+        return _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, labels, kwargs, layout)
 
     model.forward = types.MethodType(_humanline_forward, model)
 
 
-def _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, labels, kwargs):
+@contextlib.contextmanager
+def supervised_rows(ranges):
+    """Every head call inside (with ``fused="linear"``) that is given no ``hk_supervised`` takes ``ranges``, one per
+    row of its labels: for TRL code that calls the model itself, once per micro-batch (``None``: dense)."""
+    token = _ROWS.set(ranges)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def _head_layout(layout, targets):
+    """``(supervised, packed)`` keywords of ``token_logprobs`` for the head's ``targets [B, L - 1]``."""
+    import humanline_kernels as hk
+
+    ranges, cu = layout
+    if ranges is None:
+        return {}
+    if cu is None:
+        if len(ranges) != targets.size(0):
+            raise ValueError(f"hk_supervised gives {len(ranges)} ranges for {targets.size(0)} rows of labels")
+        return {"supervised": ranges}
+    # the stream's last position predicts nothing: the head's [1, N - 1] positions end the last sequence one early
+    cu = list(cu)
+    cu[-1] -= 1
+    return {"supervised": ranges, "packed": hk.Packed(cu)}
+
+
+def _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, labels, kwargs, layout):
     from trl.trainer.utils import FusedCausalLMOutput
 
     import humanline_kernels as hk
@@ -86,7 +126,7 @@ def _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, l
         targets = labels[:, 1:].to(weight.device)
         with maybe_gather_lm_head_ctx(weight, bias):
             res = hk.fused_linear.token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                                 return_entropy=want_entropy)
+                                                 return_entropy=want_entropy, **_head_layout(layout, targets))
     log_probs, entropy = res if want_entropy else (res, None)
     mask = targets != -100
     loss = -log_probs.sum() / mask.sum().clamp(min=1)

@@ -12,6 +12,7 @@ from trl.trainer.utils import use_adapter
 
 from .._head import install_head
 from ..transformers import HumanlineSyncCallback, LookaheadTrainerMixin, _refuse
+from ._layouts import CU_SEQLENS, last_positions
 from .config import reference_mode
 
 # The frozen reference adapter the trainers keep on a PEFT policy: TRL's own name for a PEFT reference adapter, so
@@ -107,6 +108,9 @@ class HumanlineMixin(LookaheadTrainerMixin):
                 f"{name}: the MoE router auxiliary loss is only supported with fused='off'")
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         install_head(policy, self.hk_fused, temperature)
+        # the head's supervised ranges (fused="linear"): none under a prompt-learning adapter, whose virtual tokens
+        # shift every position of the rows the ranges are counted on (the head then runs dense)
+        self.hk_supervised = self.hk_fused == "linear" and not _prompt_learning(self.model)
         self.hk_sync = None
         if self.hk_lookahead:
             return
@@ -137,10 +141,18 @@ class HumanlineMixin(LookaheadTrainerMixin):
         self.hk_sync.reference_done(blocking=self.is_deepspeed_enabled)
 
     def _hk_ref_forward(self, kwargs, labels, T, policy=None):
-        """Reference per-token log-probs (no grad) of the last ``T`` positions, fp32, from ``self.ref_model``, the
-        adapter-disabled PEFT policy or, with the lookahead, ``policy`` itself (in eval mode, put there by
-        ``LookaheadReference``)."""
-        return self._hk_ref_logps(kwargs, labels, policy)[:, -T:].float()
+        """Reference per-token log-probs (no grad) on the mask's ``T`` positions (``last_positions``), fp32, from
+        ``self.ref_model``, the adapter-disabled PEFT policy or, with the lookahead, ``policy`` itself (in eval mode,
+        put there by ``LookaheadReference``)."""
+        return last_positions(self._hk_ref_logps(kwargs, labels, policy), T).float()
+
+    def _hk_head_layout(self, inputs, prefix=""):
+        """The head's keywords for the supervised ranges the collator added (``fused="linear"`` only: the other
+        heads take none), with the packed stream's boundaries when the batch is packed."""
+        ranges = inputs.get(f"hk_{prefix}supervised")
+        if not self.hk_supervised or ranges is None:
+            return {}
+        return {"hk_supervised": ranges, "hk_cu_seqlens": inputs.get(CU_SEQLENS)}
 
     def _hk_ref_logps(self, kwargs, labels, policy):
         # only when checkpointing is on: TRL's helper asks the model about it through deprecated transformers 5 names
@@ -157,13 +169,13 @@ class HumanlineMixin(LookaheadTrainerMixin):
                     return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
             return self.ref_model(**kwargs, labels=labels, fused_lm_head=True).log_probs
 
-    def _hk_log_common(self, mode, out, mask, attention_mask, clip_counts):
-        """TRL's entropy/num_tokens metrics and ours, token-weighted across ranks, one host sync."""
+    def _hk_log_common(self, mode, ent, mask, num_tokens, clip_counts):
+        """TRL's entropy/num_tokens metrics and ours, token-weighted across ranks, one host sync (``ent``: the
+        head's entropy on the mask's positions, or None; ``num_tokens``: the micro-batch's input tokens)."""
         n_in, n = clip_counts
-        ent = out.entropy
-        ent_sum = (ent[:, -mask.size(1):].detach() * mask).sum() if ent is not None else n.new_zeros(())
+        ent_sum = (ent.detach() * mask).sum() if ent is not None else n.new_zeros(())
         stats = torch.stack([n_in, n, ent_sum.to(n.dtype), mask.sum().to(n.dtype),
-                             attention_mask.sum().to(n.dtype)]).detach()
+                             torch.as_tensor(num_tokens, device=n.device).to(n.dtype)]).detach()
         n_in, n, ent_sum, n_tok, n_att = self.accelerator.reduce(stats, reduction="sum").tolist()
         m = self._metrics[mode]
         if ent is not None:
@@ -190,6 +202,11 @@ class HumanlineMixin(LookaheadTrainerMixin):
             # reference syncs (lookahead: window computations) so far, every sync_every steps
             logs["humanline/num_syncs"] = self.hk_la_syncs if self.hk_lookahead else self.hk_sync.num_syncs
         super().log(logs, start_time)
+
+
+def _prompt_learning(model):
+    """A PEFT model whose active adapter prepends virtual tokens (prompt tuning, prefix tuning, P-tuning)."""
+    return is_peft_model(model) and model.active_peft_config.is_prompt_learning
 
 
 def _hf_module(module):

@@ -12,6 +12,12 @@ trainer follows, so that ``humanline=False`` is TRL exactly:
 * "ipo" and "sigmoid_norm" divide by the *unshifted* completion mask's count, which also counts the first
   completion token when the prompt is empty (or cut off by ``truncation_mode="keep_end"``); every other count is
   the scored tokens'.
+
+``padding_free=True`` (TRL 1.16 turns it off and pads) packs each micro-batch on the CPU into one row, chosen
+sequences then their rejected partners (:func:`._layouts.pack`); the policy and reference forwards run packed
+(flash-attn varlen with ``attn_implementation="flash_attention_2"``, a block-diagonal mask from ``position_ids`` with
+sdpa/eager) and the per-token outputs move to the padded rows with ``hk.Packed``
+(:func:`humanline_kernels.losses.unpacked`) before the loss, so that the loss and the logs are the padded batch's.
 """
 from __future__ import annotations
 
@@ -19,17 +25,20 @@ from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from trl import DPOTrainer
 from trl.trainer import dpo_trainer as _dpo_module
 
 from ... import _validation as V
 from ... import losses
+from ..._layout import Packed
 from ..._params import DPO
 from ...losses import _weighted_sum
-from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common, _refuse
+from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common, _prompt_learning, _refuse
+from ._layouts import CU_SEQLENS, SUPERVISED, LayoutCollator, last_positions
 from .config import HumanlineDPOConfig, hk_settings
 
-_DPO_NON_MODEL = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", "hk_ref_logps"}
+_DPO_NON_MODEL = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", "hk_ref_logps", SUPERVISED, CU_SEQLENS}
 # TRL 1.16 DPOTrainer._compute_loss reads label_smoothing in these loss types only ("sigmoid" is not cDPO there)
 _READS_LABEL_SMOOTHING = ("exo_pair", "robust", "aot", "aot_unpaired")
 # ... and divides these by the count of the unshifted completion_mask
@@ -44,6 +53,21 @@ class _Terms(NamedTuple):
     types: tuple
     weights: tuple
     unshifted: bool
+
+
+class _Tokens(NamedTuple):
+    """A micro-batch's per-token tensors on the mask's positions (``[2P, T]`` rows, or a packed ``[1, N]`` stream,
+    which :func:`~humanline_kernels.losses.unpacked` moves to the padded rows); the head's optional outputs None
+    where it gave none."""
+
+    logps: torch.Tensor
+    ref_logps: torch.Tensor
+    mask: torch.Tensor
+    completion_mask: torch.Tensor  # (unshifted: "ipo"/"sigmoid_norm" count it)
+    entropy: Optional[torch.Tensor]
+    log_sum_sq_probs: Optional[torch.Tensor]
+    mean_logits: Optional[torch.Tensor]
+    is_top1: Optional[torch.Tensor]
 
 
 class DPOObjective(NamedTuple):
@@ -102,7 +126,7 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
     """``trl.DPOTrainer`` with humanline clipping and syncing: every TRL 1.16 ``loss_type`` (mixtures with
     ``loss_weights``), ``f_divergence_type``, ``ld_alpha``, ``discopop_tau``, ``label_smoothing`` where TRL reads it,
     ``use_weighting`` (``fused="off"``) and RPO (``rpo_alpha`` or TRL's ``[..., "sft"]``); docs/integrations.md
-    lists what is refused and why."""
+    lists what is refused and why. ``padding_free=True`` trains on packed micro-batches (module docstring)."""
 
     def __init__(self, model, ref_model=None, args=None, *posargs, peft_config=None, **kwargs):
         if args is None:
@@ -111,25 +135,52 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
         name = type(self).__name__
         _precheck_common(name, args, model, peft_config, self.hk_humanline)
         self.hk_objective = dpo_objective(name, args, self.hk_clip, self.hk_fused)
-        with _lookahead_init(self, args, ref_model, _dpo_module):
-            super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
+        padding_free = args.padding_free
+        args.padding_free = False  # (TRL 1.16 would warn that it falls back to padding: we pack, below)
+        try:
+            with _lookahead_init(self, args, ref_model, _dpo_module):
+                super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
+        finally:
+            args.padding_free = padding_free
+        self.padding_free = padding_free
+        if padding_free:
+            self._hk_precheck_padding_free(name)
         self._hk_setup()
+        if padding_free or self.hk_supervised:
+            self.data_collator = LayoutCollator(self.data_collator, ranges=self.hk_supervised,
+                                                packed=padding_free, pad_token_id=self._tokenizer.pad_token_id,
+                                                pad_to_multiple_of=args.pad_to_multiple_of)
+
+    def _hk_precheck_padding_free(self, name):
+        _refuse(self._is_vision_dataset,
+                f"{name}: padding_free=True packs text sequences; a vision dataset's images and their tokens are per "
+                "row. Set padding_free=False.")
+        _refuse(_prompt_learning(self.model),
+                f"{name}: padding_free=True with a prompt-learning PEFT adapter: its virtual tokens are prepended to "
+                "each row, which a packed row of many sequences does not have. Set padding_free=False.")
 
     def _hk_inputs(self, inputs):
-        """Model keyword arguments, labels and completion mask ``[B, T]`` of a micro-batch."""
+        """Model keyword arguments, labels, the scored positions' mask ``[B, T]`` (``[1, N]`` packed: position
+        ``t`` scores token ``t + 1``, the last none) and the micro-batch's :class:`~humanline_kernels.Packed` (None
+        when padded)."""
         kw = {k: v for k, v in inputs.items() if k not in _DPO_NON_MODEL}
         kw["use_cache"] = False
+        kw.update(self._hk_head_layout(inputs))
         completion_mask = inputs["completion_mask"]
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
-        return kw, labels, completion_mask[:, 1:].bool()
+        if CU_SEQLENS not in inputs:
+            return kw, labels, completion_mask[:, 1:].bool(), None
+        # no sequence's first token is scored from the previous sequence's last (TRL's SFT collator does the same)
+        labels = labels.masked_fill(inputs["position_ids"] == 0, -100)
+        return kw, labels, F.pad(labels[:, 1:] != -100, (0, 1)), Packed(inputs[CU_SEQLENS])
 
     def _hk_reference_of(self, policy, inputs):
-        kw, labels, mask = self._hk_inputs(self._prepare_inputs(inputs))  # (on the device, as training_step does)
+        kw, labels, mask, _ = self._hk_inputs(self._prepare_inputs(inputs))  # (on the device, as training_step does)
         return self._hk_ref_forward(kw, labels, mask.size(1), policy)
 
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"
-        kw, labels, mask = self._hk_inputs(inputs)
+        kw, labels, mask, packed = self._hk_inputs(inputs)
         T = mask.size(1)
         if self.hk_lookahead:
             ref_logps = self._hk_lookahead_refs(inputs)
@@ -137,11 +188,15 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
             ref_logps = self._hk_ref_forward(kw, labels, T)
             self._hk_reference_done()
         out = model(**kw, labels=labels, fused_lm_head=True, **self._hk_policy_kwargs())
-        logps = out.log_probs[:, -T:].float()
-        lssp = out.log_sum_sq_probs[:, -T:].float() if self.hk_objective.wpo else None
-        loss, stats = self._hk_loss(logps, ref_logps, mask, inputs["completion_mask"], lssp)
+        tok = _Tokens(last_positions(out.log_probs, T).float(), ref_logps, mask, inputs["completion_mask"],
+                      *(last_positions(getattr(out, k), T) for k in _Tokens._fields[4:]))
+        if packed is not None:  # the padded rows [2P, T'] that the loss and the logs read: one scatter each
+            tok = _Tokens(*losses.unpacked(packed, *tok))
+        lssp = tok.log_sum_sq_probs.float() if self.hk_objective.wpo else None
+        loss, stats = self._hk_loss(tok.logps, tok.ref_logps, tok.mask, tok.completion_mask, lssp)
         loss = self._hk_add_aux_loss(mode, loss, out)
-        self._hk_log_dpo(mode, out, stats, mask, inputs["attention_mask"])
+        n_tokens = inputs["attention_mask"].sum() if packed is None else inputs["input_ids"].size(1)
+        self._hk_log_dpo(mode, tok, stats, n_tokens)
         if return_outputs:
             with torch.no_grad():
                 return loss, model(**kw)
@@ -162,9 +217,10 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
             policy = rows.policy if tw is None else rows.aot_policy if o.aot else _weighted_sum(logps, mask, tw)
         return loss, StepStats(rows.s.detach(), policy.detach(), metrics["n_unclipped"], metrics["n_tokens"])
 
-    def _hk_log_dpo(self, mode, out, stats, mask, attention_mask):
+    def _hk_log_dpo(self, mode, tok, stats, num_tokens):
         """TRL's DPO metrics from the loss's rows (per pair, gathered across ranks, then averaged), and ours."""
-        self._hk_log_common(mode, out, mask, attention_mask, (stats.n_unclipped, stats.n_tokens))
+        mask = tok.mask
+        self._hk_log_common(mode, tok.entropy, mask, num_tokens, (stats.n_unclipped, stats.n_tokens))
         with torch.no_grad():
             rc, rr = (self.beta * stats.s).chunk(2)
             lc, lr = stats.policy.chunk(2)
@@ -175,11 +231,10 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
         for key, v in zip(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                            "logps/chosen", "logps/rejected"), vals):
             m[key].append(v)
-        if out.mean_logits is not None:  # fused="off": TRL's head also gave mean logits and top-1 hits
-            T = mask.size(1)
+        if tok.mean_logits is not None:  # fused="off": TRL's head also gave mean logits and top-1 hits
             mc, mr = mask.chunk(2)
-            lgc, lgr = (out.mean_logits[:, -T:] * mask).chunk(2)
-            top1 = (out.is_top1[:, -T:].chunk(2)[0] & mc).sum()
+            lgc, lgr = (tok.mean_logits * mask).chunk(2)
+            top1 = (tok.is_top1.chunk(2)[0] & mc).sum()
             s = self.accelerator.reduce(torch.stack([lgc.sum(), mc.sum(), lgr.sum(), mr.sum(), top1.float()]).float(),
                                         reduction="sum").tolist()
             m["logits/chosen"].append(s[0] / s[1] if s[1] > 0 else 0.0)

@@ -36,6 +36,7 @@ from trl.trainer.utils import (
 from ... import losses
 from ...ops.constants import GRPO_LOSS_TYPES
 from ...reference import adaptive_entropy_coef
+from .._head import supervised_rows
 from ..transformers import LookaheadTrainerMixin
 from ._common import HK_REF_ADAPTER, HumanlineMixin, _checkpointing_on, _precheck_common, _refuse
 from ._grpo_lookahead import BufferLookahead
@@ -122,7 +123,24 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
         return super(LookaheadTrainerMixin, self).set_initial_training_values(args, dataloader, *a, **k)
 
     # --------------------------------------------------------------------------------------- the data
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        # the completions' lengths while they are host lists (TRL's completion_ids, tool turns included), for the
+        # head's supervised ranges: TRL pads them into completion_ids / completion_mask on the device
+        self._hk_completion_lens = [len(ids) for ids in out[1]]
+        return out
+
     def _generate_and_score_completions(self, inputs):
+        self._hk_completion_lens = None
+        batch = self._hk_generate_and_score(inputs)
+        lens = self._hk_completion_lens
+        # a list: TRL's shuffle and split carry it along with the rows (trl/trainer/utils.py shuffle_sequence_dict,
+        # split_tensor_dict); none (a dense head) if _generate was bypassed or its rows are not the batch's
+        if self.hk_supervised and lens is not None and len(lens) == batch["completion_ids"].size(0):
+            batch["hk_completion_lens"] = lens
+        return batch
+
+    def _hk_generate_and_score(self, inputs):
         if not self.hk_humanline:
             return super()._generate_and_score_completions(inputs)
         # With humanline the reference log-probs are taken at training time, from each micro-batch's own step's
@@ -189,7 +207,7 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
     def _hk_batch_logps(self, model, inputs):
         """Per-token log-probs (no grad, fp32) of a micro-batch's completions, through TRL's per-token call."""
         ckpt = _no_checkpointing(self) if _checkpointing_on(self.args) else contextlib.nullcontext()
-        with torch.no_grad(), ckpt:
+        with torch.no_grad(), ckpt, supervised_rows(_supervised(inputs)):
             logps, _, _ = self._get_per_token_logps_and_entropies(model, *_sequences(inputs), **_mm(inputs))
         return logps.float()
 
@@ -197,8 +215,10 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         ref = self._hk_reference(inputs) if self.hk_humanline else None  # (before the policy's forward)
-        logps, entropies, aux = self._get_per_token_logps_and_entropies(
-            model, *_sequences(inputs), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled, **_mm(inputs))
+        with supervised_rows(_supervised(inputs)):  # (TRL makes one model call: no batch_size given)
+            logps, entropies, aux = self._get_per_token_logps_and_entropies(
+                model, *_sequences(inputs), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
+                **_mm(inputs))
         logps = logps.float()
         mask = inputs["completion_mask"].bool()
         old = inputs.get("old_per_token_logps")
@@ -339,6 +359,18 @@ def _sequences(inputs):
     completion_ids = inputs["completion_ids"]
     return (torch.cat([inputs["prompt_ids"], completion_ids], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), completion_ids.size(1))
+
+
+def _supervised(inputs):
+    """The head's ranges of a micro-batch (``fused="linear"``): row ``b`` scores its completion's tokens from the
+    positions ``[P - 1, P - 1 + n_b)`` (``P`` the left-padded prompts' width, ``n_b`` the completion's length, both
+    known on the host: the right padding is skipped too); None without ``hk_completion_lens``."""
+    lens = inputs.get("hk_completion_lens")
+    if lens is None:
+        return None
+    P = inputs["prompt_ids"].size(1)
+    start = max(P - 1, 0)  # (an empty prompt: the first completion token is not scored)
+    return [[start, max(start, P - 1 + n)] for n in lens]
 
 
 def _mm(inputs):

@@ -18,10 +18,12 @@ from trl.trainer import kto_trainer as _kto_module
 from ... import _validation as V
 from ... import losses
 from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common
+from ._layouts import SUPERVISED, LayoutCollator, last_positions
 from .config import HumanlineKTOConfig, hk_settings
 
 _KTO_NON_MODEL = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
-                  "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps", "hk_ref_logps"}
+                  "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps", "hk_ref_logps", SUPERVISED,
+                  "hk_KL_supervised"}
 
 
 class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
@@ -42,11 +44,14 @@ class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
         with _lookahead_init(self, args, ref_model, _kto_module):
             super().__init__(model, ref_model, args, *posargs, peft_config=peft_config, **kwargs)
         self._hk_setup()
+        if self.hk_supervised:  # the rows' and the KL rows' supervised ranges, from TRL's collator's masks
+            self.data_collator = LayoutCollator(self.data_collator, prefixes=("", "KL_"))
 
     def _hk_inputs(self, batch):
         """Model keyword arguments, labels and completion mask ``[B, T]`` of a micro-batch."""
         kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL}
         kw["use_cache"] = False
+        kw.update(self._hk_head_layout(batch))
         labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
         return kw, labels, batch["completion_mask"][:, 1:].bool()
 
@@ -63,7 +68,8 @@ class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
 
     def _hk_kl_inputs(self, batch):
         kw = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL | {"input_ids", "attention_mask"}}
-        kw.update(input_ids=batch["KL_input_ids"], attention_mask=batch["KL_attention_mask"], use_cache=False)
+        kw.update(input_ids=batch["KL_input_ids"], attention_mask=batch["KL_attention_mask"], use_cache=False,
+                  **self._hk_head_layout(batch, "KL_"))
         for k in ("token_type_ids", "mm_token_type_ids"):
             if "KL_" + k in batch:
                 kw[k] = batch["KL_" + k]
@@ -113,7 +119,8 @@ class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
 
     def _hk_log_kto(self, mode, out, stats, mask, desirable, attention_mask):
         """TRL's KTO metrics from the loss's rows (sums over each label's rows across ranks), and ours."""
-        self._hk_log_common(mode, out, mask, attention_mask, (stats.n_unclipped, stats.n_tokens))
+        self._hk_log_common(mode, last_positions(out.entropy, mask.size(1)), mask, attention_mask.sum(),
+                            (stats.n_unclipped, stats.n_tokens))
         with torch.no_grad():
             r, lp, d = self.beta * stats.s, stats.policy, desirable.float()
             s = torch.stack([(r * d).sum(), (lp * d).sum(), d.sum(), (r * (1 - d)).sum(), (lp * (1 - d)).sum(),
