@@ -187,17 +187,25 @@ def check_label_range(labels, V, ignore_index):
     bad label then fails at the next synchronisation with ``RuntimeError: CUDA error: device-side assert
     triggered`` (as ``torch.nn.functional.cross_entropy`` does) and the CUDA context is unusable afterwards.
     """
-    msg = f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}"
-    ok = (((labels >= 0) & (labels < V)) | (labels == ignore_index)).all()
-    if labels.device.type != "cpu":
+    def where():
+        bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
+        idx = bad.nonzero()[0].tolist()
+        return f"; got {int(labels[tuple(idx)])} at index {idx}"
+
+    _device_check((((labels >= 0) & (labels < V)) | (labels == ignore_index)).all(),
+                  f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}", where)
+
+
+def _device_check(ok, msg, detail=None):
+    """``ok`` (a 0-d bool tensor) or fail: a device-side assert on an accelerator (no host sync), a ``ValueError``
+    with ``msg`` (and ``detail()``, computed only then) on the CPU."""
+    if ok.device.type != "cpu":
         torch._assert_async(ok, msg)
         return
     try:
         torch._assert_async(ok, msg)
     except RuntimeError:
-        bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
-        idx = bad.nonzero()[0].tolist()
-        raise ValueError(f"{msg}; got {int(labels[tuple(idx)])} at index {idx}") from None
+        raise ValueError(msg + (detail() if detail else "")) from None
 
 
 def check_logits(logits, labels, p, validate):
@@ -275,15 +283,8 @@ def check_packed(name, x, labels, ref_logps, packed):
 def check_supervised(labels, covered, ignore_index):
     """No label outside the ``supervised`` ranges: ``covered`` (the labels at the ranges' positions) holds every
     label of ``labels`` that is not ``ignore_index``. A device-side assert, as :func:`check_label_range`."""
-    msg = "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)"
-    ok = (labels != ignore_index).sum() == (covered != ignore_index).sum()
-    if labels.device.type != "cpu":
-        torch._assert_async(ok, msg)
-        return
-    try:
-        torch._assert_async(ok, msg)
-    except RuntimeError:
-        raise ValueError(msg) from None
+    _device_check((labels != ignore_index).sum() == (covered != ignore_index).sum(),
+                  "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)")
 
 
 def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
