@@ -140,7 +140,6 @@ def _cases():
         # [n, V] buffer addressed through its token ranges, outputs written into whole-batch buffers; GRPO chunks
         # of whole rows or of tokens (split), DPO chunks of all pairs (one range) or of some (two ranges), KTO chunks
         # of rows; plain log-probs forward and (recomputing) backward
-        import humanline_kernels as hk
         B, T, V, D = 4, 16, 32000, 64
         h = torch.empty((B, T, D), dtype=dtype, device="meta", requires_grad=True)
         w = torch.empty((V, D), dtype=dtype, device="meta", requires_grad=True)
@@ -148,15 +147,24 @@ def _cases():
         f = torch.empty((B, T), dtype=torch.float32, device="meta")
         rows = {"grpo": 12 if split else 2 * T, "dpo": 2 * T if split else B * T, "kto": T if split else B * T,
                 "token_logprobs": 12 if split else B * T, "sequence": 12 if split else B * T}[kind]
-        kw = dict(chunk_bytes=rows * V * h.element_size(), validate=False)
+        run_linear(kind, B, h, w, y, f, kl_rows=True, chunk_bytes=rows * V * h.element_size(), validate=False)
+
+    def run_linear(kind, B, h, w, y, f, kl_rows, **kw):
+        # one fused-linear call of `kind` over B rows or sequences, forward and backward (KTO with or without its
+        # KL rows)
+        import humanline_kernels as hk
         if kind == "grpo":
-            hk.fused_linear.grpo(h, w, y, f, torch.empty((B,), device="meta"), beta=0.04, **kw)
+            hk.fused_linear.grpo(h, w, y, f, torch.empty((B,), dtype=torch.float32, device="meta"), beta=0.04, **kw)
         elif kind == "dpo":
             hk.fused_linear.dpo(h, w, y, f, **kw)
         elif kind == "kto":
-            kl = torch.empty((B, 3), dtype=torch.float32, device="meta")
-            hk.fused_linear.kto(h, w, y, f, torch.empty((B,), dtype=torch.bool, device="meta"), kl, kl,
-                                torch.empty((B, 3), dtype=torch.bool, device="meta"), **kw)
+            des = torch.empty((B,), dtype=torch.bool, device="meta")
+            if kl_rows:
+                kl = torch.empty((B, 3), dtype=torch.float32, device="meta")
+                hk.fused_linear.kto(h, w, y, f, des, kl, kl, torch.empty((B, 3), dtype=torch.bool, device="meta"),
+                                    **kw)
+            else:
+                hk.fused_linear.kto(h, w, y, f, des, **kw)
         elif kind == "sequence":
             s, pol, _ = hk.fused_linear.sequence_logratios(h, w, y, f, clip=clip, **kw)
             torch.autograd.grad((s.sum(), pol.sum()), (h, w))
@@ -197,19 +205,7 @@ def _cases():
             return
         h = torch.empty((*shape, D), dtype=dtype, device="meta", requires_grad=True)
         w = torch.empty((V, D), dtype=dtype, device="meta", requires_grad=True)
-        kw = dict(chunk_bytes=12 * V * h.element_size(), **extra)
-        if kind == "grpo":
-            hk.fused_linear.grpo(h, w, y, f, adv, beta=0.04, **kw)
-        elif kind == "dpo":
-            hk.fused_linear.dpo(h, w, y, f, **kw)
-        elif kind == "kto":
-            hk.fused_linear.kto(h, w, y, f, torch.empty((B,), dtype=torch.bool, device="meta"), **kw)
-        elif kind == "sequence":
-            s, pol, _ = hk.fused_linear.sequence_logratios(h, w, y, f, clip=clip, **kw)
-            torch.autograd.grad((s.sum(), pol.sum()), (h, w))
-        else:
-            lp, ent = hk.fused_linear.token_logprobs(h, w, y, return_entropy=True, **kw)
-            torch.autograd.grad((lp, ent), (h, w), (torch.empty_like(lp), torch.empty_like(ent)))
+        run_linear(kind, B, h, w, y, f, kl_rows=False, chunk_bytes=12 * V * h.element_size(), **extra)
 
     def finalize(shape_name, kind, variant, labels_view=True):
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
