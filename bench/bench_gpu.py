@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -148,9 +149,7 @@ def parity(N, V, D, device="cuda"):
     # a packed batch (issue 33): the same rows end to end, the row kernels through the token map; boundaries on the
     # host (as TRL's collator makes them) and on the device with max_seqlen
     lens = [T - (i * T) // (2 * B) for i in range(B)]  # from T down to about T / 2
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
+    cu = list(itertools.accumulate(lens, initial=0))
     xp = torch.cat([x[i, :n] for i, n in enumerate(lens)])
     yp, rp = (torch.cat([t[i, :n] for i, n in enumerate(lens)]) for t in (y, ref))
     yl = torch.full_like(y, -100)

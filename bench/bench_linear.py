@@ -169,14 +169,18 @@ def main(argv=None):
         return _run_masks(B, T, D, V, dtype, device, chunks[:1], a.ignored, a.quick, a.out)
     h, w, y, ref, adv = _inputs(B, T, D, V, dtype, device)
     rows = _time_cases(_cases(h, w, y, ref, adv, chunks, a.quick), h, w, a.quick)
-    meta = {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device,
-            "chunk_bytes": chunks, "flops_floor": 6 * B * T * D * V,
+    meta = {**_shape(B, T, D, V, dtype, device, chunks), "flops_floor": 6 * B * T * D * V,
             "dW_bytes(param dtype)": V * D * w.element_size(), "dW_fp32_accumulator_bytes": 4 * V * D,
             "note": "peak_extra_GiB: peak allocated during fwd+bwd beyond what existed before, including the "
                     "returned grads (h.grad, w.grad) and, for ours, the transient fp32 dW accumulator"}
     common.save("linear_quick" if a.quick else "linear", rows, meta, a.out)
     _plot(rows, os.path.join(a.out, ("linear_quick" if a.quick else "linear") + ".png"), meta)
     return 0
+
+
+def _shape(B, T, D, V, dtype, device, chunks):
+    """The run's shape, as every JSON of this suite records it."""
+    return {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device, "chunk_bytes": chunks}
 
 
 def _time_cases(cases, h, w, quick, progress=""):
@@ -220,8 +224,7 @@ def _run_masks(B, T, D, V, dtype, device, chunks, ignored, quick, out):
         del h, w, y, ref, adv, cases
     t = MASK_TARGET
     hit = [r for r in rows if r["impl"] == t["impl"] and r["ignored_pct"] == t["ignored_pct"]]
-    meta = {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device,
-            "chunk_bytes": chunks, "ignored_pct": ignored, "flops_floor_dense": 6 * B * T * D * V,
+    meta = {**_shape(B, T, D, V, dtype, device, chunks), "ignored_pct": ignored, "flops_floor_dense": 6 * B * T * D * V,
             "target": t, "target_met": (hit[0]["ratio_to_gemm"] <= t["ratio_to_gemm"])
             if hit and hit[0]["ratio_to_gemm"] else None,
             "note": "ratio_to_gemm: time / the dense lm_head GEMM fwd+bwd over all B*T positions (the same floor at "

@@ -8,6 +8,8 @@ gradient against the padded call of the same level and the loss against hk.refer
 fused levels in the Triton interpreter and on the eager path, one chunk and small chunks. Then: the map built on
 the device equals the host's, the GEMM flops scale with the supervised tokens, no host read, and the refusals.
 """
+import itertools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,9 +39,7 @@ def _batch(seed=0, dtype=torch.float32):
     y[4, 5] = -100  # a hole inside a completion: still inside its range
     logits = (h @ w.T).to(dtype)
     ref = torch.where(y != -100, R.token_logprobs(logits.float(), y) + 0.8 * torch.randn(S, T, generator=g), 0.0)
-    cu = [0]
-    for n in LENS:
-        cu.append(cu[-1] + n)
+    cu = list(itertools.accumulate(LENS, initial=0))
     ranges = [[p, n] if n else [0, 0] for n, p in zip(LENS, PROMPT)]
     return dict(h=h.to(dtype), w=w.to(dtype), logits=logits, y=y, ref=ref, cu=cu, ranges=ranges,
                 adv=torch.randn(S, generator=g), adv_tok=torch.randn(S, T, generator=g),

@@ -12,6 +12,8 @@ the positions whose next token is a completion token (from its first to its last
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -61,9 +63,7 @@ def pack(batch: dict, pad_token_id: int, pad_to_multiple_of=None) -> dict:
         out[k] = v
     if pad:
         lens = lens[:-1] + [lens[-1] + pad]
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
+    cu = list(itertools.accumulate(lens, initial=0))
     cu_t = torch.tensor(cu, dtype=torch.int32)
     out["position_ids"] = torch.cat([torch.arange(n) for n in lens])[None]
     out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu_t
