@@ -73,6 +73,8 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, labels, lse, ent)
         ctx.cfg = (p, inplace, LP)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
+        if labels.dim() == 2:  # already shaped like the labels (a view costs a microsecond a call)
+            return logp, ent
         return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 
     @staticmethod
@@ -82,14 +84,17 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, labels, lse, ent = ctx.saved_tensors
         p, inplace, LP = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y3.shape)
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp if y3 is labels else grad_logp.reshape(y3.shape)
         d = LP.logprobs_bwd(l3, y3, lse, g, p.temperature, p.ignore_index, out=l3 if inplace else None,
                             grad_entropy=grad_ent, entropy=ent)
         if inplace and LP is logprobs_eager:  # (the kernel's launcher bumps it itself)
             torch.autograd.graph.increment_version(logits)
         # in place, ``d`` is ``l3``: a view of ``logits``, or a copy when ``[..., T, V]`` could not be flattened
-        # without one (then the gradient lives in the copy, not in ``logits``)
-        return None, None, None, None, d.view(logits.shape), None
+        # without one (then the gradient lives in the copy, not in ``logits``); handed back as a view, never as the
+        # input tensor itself, and a new gradient of the caller's shape as it is
+        if l3 is not logits or d is logits:
+            d = d.view(logits.shape)
+        return None, None, None, None, d, None
 
 
 def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False,

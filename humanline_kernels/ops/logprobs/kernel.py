@@ -319,8 +319,9 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     entropy's gradient ``-grad_entropy * p (log p + H) / T``."""
     inv_t = 1.0 / temperature
     ranges = chunk_rows(segs, labels.numel())
-    # the kernel reads g, lse (and w) at flat token indices: autograd may hand an expanded (stride 0) gradient
-    g = grad_logp.reshape(labels.shape).contiguous()
+    # the kernel reads g, lse (and w) at flat token indices, so any shape with the labels' count will do; autograd
+    # may hand an expanded (stride 0) gradient, which contiguous() materialises
+    g = grad_logp.contiguous()
     go = None if grad_loss is None else grad_loss.reshape(1)
     gh = h = None
     if grad_entropy is not None:
