@@ -1,9 +1,10 @@
 """Host cost of one loss call: kernel launches, CPU enqueue time and GPU time, forward + backward.
 
 ``python -m bench host [--quick] [--out DIR] [--n N] [--vocab V] [--d D]``;
-``python -m bench host --proxy [--calls C] [--repeats R] [--out DIR]``: the host's glue without a GPU (see
-:mod:`bench.host_proxy`: the compiled-kernel branch on tiny CPU tensors, every Triton launch stubbed, against a
-minimal ``autograd.Function`` measured in the same run).
+``python -m bench host --proxy [--triton] [--calls C] [--repeats R] [--out DIR]``: the host's glue without a GPU
+(see :mod:`bench.host_proxy`: the compiled-kernel branch on tiny CPU tensors, every Triton launch stubbed, against a
+minimal ``autograd.Function`` measured in the same run; ``--triton`` times each call through Triton's own launch
+path too, up to a no-op driver launcher).
 
 For each logits-level loss (and ``token_logprobs``) at ``N`` tokens x ``V`` (default 8192 x 32000, bf16) and each
 fused-linear loss at ``D`` (default 2048): the number of device kernels one forward + backward launches (torch
@@ -76,9 +77,11 @@ def _count_launches(fn, device):
 
 
 def _cpu_ms(fn, device, reps=30):
-    """Median wall time of enqueueing ``fn`` while the GPU is still busy with earlier work (so no wait shows)."""
+    """``(median ms, drained)``: the wall time of enqueueing ``fn`` while the GPU is still busy with earlier work (so
+    no wait shows), and in how many of the ``reps`` the GPU had run dry by the time ``fn`` returned (then the queue
+    ahead was too short, or the call waited for the device, and that rep's time is not enqueue time alone)."""
     big = torch.randn(4096, 4096, device=device) if device == "cuda" else None
-    times = []
+    times, drained = [], 0
     for _ in range(reps):
         if big is not None:
             torch.cuda.synchronize()
@@ -87,9 +90,25 @@ def _cpu_ms(fn, device, reps=30):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
+        if big is not None:
+            drained += torch.cuda.current_stream().query()
     if device == "cuda":
         torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(times), drained
+
+
+def _syncs(fn, device):
+    """Whether one call synchronises the host with the device (torch's sync debug mode, CUDA only; else None)."""
+    if device != "cuda":
+        return None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def run(N, V, D, *, quick, out_dir):
@@ -102,11 +121,16 @@ def run(N, V, D, *, quick, out_dir):
         fn()  # warm-up: compile, allocator
         launches = _count_launches(fn, device)
         gpu = common.time_ms(fn, warmup=5 if quick else 25, rep=10 if quick else 100)
-        cpu = _cpu_ms(fn, device, reps=3 if quick else 30)
+        reps = 3 if quick else 30
+        cpu, drained = _cpu_ms(fn, device, reps=reps)
         budget = 3 * chunks[name] + 6 if name in chunks else 8
         rows.append({"impl": name, "N": N, "V": V, "D": D if name in chunks else None, "launches": launches,
                      "launch_budget": budget, "cpu_ms": cpu, "gpu_ms": gpu, "cpu_over_gpu": cpu / gpu,
-                     "meets_host_target": launches <= budget and cpu <= 0.5 * gpu})
+                     "meets_host_target": launches <= budget and cpu <= 0.5 * gpu,
+                     # the harness's own checks: a sync, or a GPU that ran dry during the timed call, makes cpu_ms
+                     # more than enqueue time
+                     "syncs": _syncs(fn, device),
+                     "gpu_drained_reps": f"{drained}/{reps}" if device == "cuda" else None})
     meta = {"N": N, "V": V, "D": D, "dtype": str(dtype).replace("torch.", ""), "device": device,
             "what": "forward + backward of one call; launches = CUDA kernels (aten ops on CPU)"}
     return common.save("host" + ("_quick" if quick else ""), rows, meta, out_dir, bar="cpu_over_gpu")
@@ -118,16 +142,17 @@ PROXY_TARGETS = {"logits": 1.5, "validate": 0.4, "fused_linear": 2.5}
 
 def proxy_target(name):
     """The proxy's target ratio for an entry point (None for the floor and the peers)."""
-    if name == "floor" or name.startswith("liger"):
+    if name.startswith(("floor", "liger", "python lower bound")):
         return None
     if name.startswith("fused_linear"):
         return PROXY_TARGETS["fused_linear"] if "chunks" not in name and "a chunk" not in name else None
     return PROXY_TARGETS["logits"] + (PROXY_TARGETS["validate"] if "validate" in name else 0.0)
 
 
-def run_proxy(calls, repeats, out_dir):
+def run_proxy(calls, repeats, out_dir, triton=False):
     from . import host_proxy
-    rows, meta = host_proxy.measure(calls=calls, repeats=repeats, progress=lambda s: print(s, flush=True))
+    rows, meta = host_proxy.measure(calls=calls, repeats=repeats, progress=lambda s: print(s, flush=True),
+                                    triton=triton)
     liger = [r["us_median"] for r in rows if r["impl"] == "liger triton_grpo_loss"]
     for r in rows:
         r["target"] = proxy_target(r["impl"])
@@ -135,12 +160,17 @@ def run_proxy(calls, repeats, out_dir):
         r["vs_liger_grpo"] = r["us_median"] / liger[0] if liger else None
     meta["what"] = ("us per forward + backward of tiny CPU tensors, every Triton launch stubbed; ratio to a minimal "
                     "autograd.Function (floor) in the same run")
-    return common.save("host_proxy", rows, meta, out_dir, bar="ratio", logx=True, target="target")
+    if triton:
+        meta["what"] += "; triton_us: the same call through Triton's JITFunction.run (a no-op driver launcher)"
+    return common.save("host_proxy", rows, meta, out_dir, bar=("us_median", "triton_us") if triton else "ratio",
+                       logx=True, target=None if triton else "target")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench host", description=__doc__.split("\n")[0])
     p.add_argument("--proxy", action="store_true", help="the host's glue on CPU, launches stubbed (no GPU needed)")
+    p.add_argument("--triton", action="store_true",
+                   help="--proxy: also through Triton's own launch path (compiles each variant for sm_90 once)")
     p.add_argument("--calls", type=int, default=200, help="--proxy: calls per timed window (default 200)")
     p.add_argument("--repeats", type=int, default=15, help="--proxy: timed windows per entry point (default 15)")
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke of the harness")
@@ -149,10 +179,12 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 32000; 500 with --quick)")
     p.add_argument("--d", type=int, default=None, help="hidden size of the fused-linear calls (default 2048)")
     a = p.parse_args(argv)
+    if a.triton and not a.proxy:
+        p.error("--triton goes with --proxy (on a GPU, bench host times Triton's launches as they run)")
     if a.proxy:
         if a.calls < 1 or a.repeats < 1:
             p.error("--calls and --repeats must be positive")
-        run_proxy(a.calls, a.repeats, a.out)
+        run_proxy(a.calls, a.repeats, a.out, triton=a.triton)
         return 0
     N = a.n or (64 if a.quick else 8192)
     V = a.vocab or (500 if a.quick else 32000)

@@ -32,8 +32,10 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from tests/
+from bench.host_proxy import StandInDriver  # noqa: E402  (a target, device 0, stream 0; never launches here)
 
 SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte aligned rows)
     "aligned": ((2, 8, 32000), None, True),
@@ -46,33 +48,11 @@ SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte align
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class _Driver:
-    """Enough of a Triton driver for ``JITFunction.run(warmup=True)``: a target, device 0, stream 0."""
-
-    def __init__(self, arch):
-        self.target = GPUTarget("cuda", arch, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def set_current_device(self, device):
-        pass
-
-    def get_active_torch_device(self):
-        return torch.device("meta")
-
-
 def _install(arch, compiled, launches=None):
     """Compile instead of launching; ``launches`` (a list) records every launch's ``(kernel, kwargs, grid)``."""
     from triton.runtime import driver
 
-    driver.set_active(_Driver(arch))
+    driver.set_active(StandInDriver(arch))
     original = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):  # compile as at run time, never launch

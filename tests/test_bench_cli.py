@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +85,19 @@ def test_host_quick_runs(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "host_quick.json").read_text())["rows"]
     assert {r["impl"] for r in rows} >= {"token_logprobs", "fused.dpo", "fused_linear.grpo"}
     assert all(r["launches"] > 0 and r["cpu_ms"] > 0 for r in rows)
+    assert all(r["syncs"] is None and r["gpu_drained_reps"] is None for r in rows)  # CUDA-only checks
+
+
+@pytest.mark.gpu
+def test_host_harness_sees_a_sync_and_a_drained_queue():
+    """``bench host``'s own checks on a GPU: a call that reads a value back syncs, one that only enqueues does not;
+    with nothing queued ahead the GPU is idle when a tiny call returns."""
+    from bench import bench_host
+    x = torch.ones(4, device="cuda")
+    assert bench_host._syncs(lambda: x.sum().item(), "cuda") is True
+    assert bench_host._syncs(lambda: x * 2, "cuda") is False
+    _, drained = bench_host._cpu_ms(lambda: torch.cuda.synchronize(), "cuda", reps=3)
+    assert drained == 3
 
 
 def test_host_proxy_runs_and_refuses_bad_flags(tmp_path):
@@ -99,9 +113,12 @@ def test_host_proxy_runs_and_refuses_bad_flags(tmp_path):
     assert data["meta"]["floor_us"] > 0 and all(r["ratio"] > 0 for r in rows.values())
     assert rows["fused.grpo"]["target"] == 1.5 and rows["fused.grpo(validate)"]["target"] == pytest.approx(1.9)
     assert rows["fused_linear.grpo"]["target"] == 2.5 and rows["floor"]["target"] is None
-    r = _bench("host", "--proxy", "--calls", "0")
-    assert r.returncode == 2 and len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
-    assert "Traceback" not in r.stderr
+    assert rows["floor(summed)"]["ratio"] == 1.0 and rows["token_logprobs"]["floor"] == "floor(summed)"
+    assert rows["fused.grpo"]["floor"] == "floor" and rows["python lower bound (grpo)"]["target"] is None
+    for flags in (("--proxy", "--calls", "0"), ("--triton",)):
+        r = _bench("host", *flags)
+        assert r.returncode == 2 and len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
+        assert "Traceback" not in r.stderr
 
 
 def test_linear_masks_quick_runs_and_refuses_bad_flags(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ ratios to the floor (docs/kernels.md).
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -81,3 +82,26 @@ def test_stubbed_launches_restores_triton():
     with host_proxy.stubbed_launches():
         assert JITFunction.run is not run and "cpu" in _jit.COMPILED_DEVICES
     assert JITFunction.run is run and "cpu" not in _jit.COMPILED_DEVICES
+
+
+def test_triton_launch_path_runs_triton_and_restores_it():
+    """``bench host --proxy --triton``: inside the stand-in, a call goes through Triton's own JITFunction.run (binder,
+    cache, compile for sm_90 on the first call) to the driver's launcher, once per kernel launch; afterwards the
+    driver, the stub and every kernel's caches are as before."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    import humanline_kernels as hk
+    from humanline_kernels.ops.logprobs import kernel as LPK
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    y = torch.randint(0, 16, (2, 4))
+    previous = driver._active
+    with host_proxy.stubbed_launches():
+        stub, caches = JITFunction.run, LPK._logprobs_fwd_kernel.device_caches
+        with host_proxy.triton_launch_path() as stand_in:
+            assert JITFunction.run is not stub
+            hk.token_logprobs(x, y, validate=False).sum().backward()
+            assert stand_in.launched == 2  # forward and backward kernels, each through the driver's launcher
+            assert len(LPK._logprobs_fwd_kernel.device_caches[0][0]) == 1  # compiled once, cached by Triton
+        assert JITFunction.run is stub and LPK._logprobs_fwd_kernel.device_caches is caches
+    assert driver._active is previous
