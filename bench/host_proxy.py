@@ -89,10 +89,11 @@ class StandInDriver:
 
 
 @contextlib.contextmanager
-def triton_launch_path():
-    """Inside ``stubbed_launches``: Triton's ``JITFunction.run`` runs for real against :class:`StandInDriver`.
-    Every JITFunction gets fresh per-device caches for the while (kernels "compiled" here have no-op launchers and
-    must not stay in the caches of a process that has a GPU), and the previous driver comes back afterwards."""
+def stand_in_driver():
+    """Inside ``stubbed_launches``: :class:`StandInDriver` is Triton's active driver, and every JITFunction has fresh
+    per-device caches for the while (kernels "compiled" here have no-op launchers and must not stay in the caches of
+    a process that has a GPU); the caches and the previous driver come back afterwards. Launches stay stubbed until
+    :func:`triton_runs`."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -101,20 +102,30 @@ def triton_launch_path():
         warnings.simplefilter("ignore")
         # pairs, not a dict: a JITFunction's hash parses its source (ops/_jit.py says when that fails)
         saved = [(o, o.device_caches) for o in gc.get_objects() if isinstance(o, JITFunction)]
-    previous, stub = driver._active, JITFunction.run
+    previous = driver._active
     for jf, _ in saved:
         jf.device_caches = collections.defaultdict(jf.create_binder)
     stand_in = StandInDriver()
     driver.set_active(stand_in)  # before any binder is made: it reads the driver's target
-    JITFunction.run = _TRITON_RUN
     try:
         yield stand_in
     finally:
-        JITFunction.run = stub
         for jf, caches in saved:
             jf.device_caches = caches
         gc.collect()  # the stand-in's kernels unload through the driver that loaded them, not through the previous
         driver.set_active(previous)
+
+
+@contextlib.contextmanager
+def triton_runs():
+    """Inside ``stand_in_driver``: launches go through Triton's own ``JITFunction.run`` (binder, specialisation,
+    cache, compile on a variant's first call) to the stand-in's launcher; stubbed again afterwards."""
+    from triton.runtime.jit import JITFunction
+    stub, JITFunction.run = JITFunction.run, _TRITON_RUN
+    try:
+        yield
+    finally:
+        JITFunction.run = stub
 
 
 _TRITON_RUN = None  # JITFunction.run as Triton defines it (set by stubbed_launches)
@@ -277,15 +288,14 @@ def _launches(fn):
 def measure(calls=200, repeats=15, progress=print, triton=False):
     """Rows ``{impl, us_median, us_min, us_max, ratio}``: every entry point, interleaved with the floor. With
     ``triton``, also ``launches`` (Triton launches a call) and ``triton_us`` (the same call through Triton's own
-    launch path, :func:`triton_launch_path`), timed right after the stubbed one, and ``triton_us_per_launch``."""
+    launch path, :func:`triton_runs`), timed right after the stubbed one, and ``triton_us_per_launch``."""
     rows = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(stubbed_launches())
         fns = _calls()
-        real = None
         if triton:
-            real = triton_launch_path
-            with real():  # compiles each variant once (seconds), outside the timed windows
+            stack.enter_context(stand_in_driver())
+            with triton_runs():  # compiles each variant once (seconds), outside the timed windows
                 for fn in fns.values():
                     fn()
         for fn in fns.values():  # warm-up: first-call work (imports, Triton's binder) is not the steady state
@@ -300,9 +310,9 @@ def measure(calls=200, repeats=15, progress=print, triton=False):
             floor += _time_us(fns["floor"], calls, 2)  # the machine drifts: the floor is sampled throughout
             t = _time_us(fn, calls, repeats)
             row = {"impl": name, "us_median": statistics.median(t), "us_min": min(t), "us_max": max(t)}
-            if real is not None:
+            if triton:
                 row["launches"] = _launches(fn)
-                with real():
+                with triton_runs():
                     for _ in range(5):
                         fn()
                     row["triton_us"] = statistics.median(_time_us(fn, calls, repeats))

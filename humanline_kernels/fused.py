@@ -84,7 +84,11 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, labels, lse, ent = ctx.saved_tensors
         p, inplace, LP = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp if y3 is labels else grad_logp.reshape(y3.shape)
+        g = grad_logp
+        if g is None:
+            g = torch.zeros_like(lse)
+        elif y3 is not labels:  # shaped like the caller's labels: the eager backward indexes [B, T]
+            g = g.reshape(y3.shape)
         d = LP.logprobs_bwd(l3, y3, lse, g, p.temperature, p.ignore_index, out=l3 if inplace else None,
                             grad_entropy=grad_ent, entropy=ent)
         if inplace and LP is logprobs_eager:  # (the kernel's launcher bumps it itself)

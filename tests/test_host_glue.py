@@ -98,7 +98,7 @@ def test_triton_launch_path_runs_triton_and_restores_it():
     previous = driver._active
     with host_proxy.stubbed_launches():
         stub, caches = JITFunction.run, LPK._logprobs_fwd_kernel.device_caches
-        with host_proxy.triton_launch_path() as stand_in:
+        with host_proxy.stand_in_driver() as stand_in, host_proxy.triton_runs():
             assert JITFunction.run is not stub
             hk.token_logprobs(x, y, validate=False).sum().backward()
             assert stand_in.launched == 2  # forward and backward kernels, each through the driver's launcher
