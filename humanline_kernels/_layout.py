@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-__all__ = ["Packed", "TokenMap", "packed_map", "supervised_map", "flat", "unpack", "pack"]
+__all__ = ["Packed", "TokenMap", "packed_map", "supervised_map", "flat", "unpack", "unpack_like", "pack"]
 
 Ints = Union[Tensor, Sequence[int]]
 
@@ -217,6 +217,15 @@ def unpack(x: Tensor, tm: TokenMap, fill) -> Tensor:
     vals = flat if tm.source is None else flat.index_select(0, tm.source)
     out = flat.new_full((tm.S * tm.T,), fill)
     return out.index_put((tm.plane,), vals).view(tm.S, tm.T)
+
+
+def unpack_like(t: Optional[Tensor], tm: Optional[TokenMap], like: Tensor) -> Optional[Tensor]:
+    """:func:`unpack` for an input of a loss call: a per-token tensor (shaped like ``like``, the caller's labels or
+    log-probs) on the map's planes, ``False`` / 0 elsewhere; anything else (None, one value per sequence) and every
+    input without a map as given."""
+    if tm is None or t is None or tuple(t.shape) != tuple(like.shape):
+        return t
+    return unpack(t, tm, False if t.dtype == torch.bool else 0.0)
 
 
 def pack(y: Tensor, tm: TokenMap, shape) -> Tensor:

@@ -185,3 +185,8 @@ class GRPO(Loss):
     name: ClassVar[str] = "grpo"
     mode: ClassVar[int] = MODE_GRPO
     Inputs: ClassVar[type] = GRPOInputs
+
+    @property
+    def vespo(self) -> dict:
+        """VESPO's four ``k`` / ``lambda`` values by keyword (what ``grpo_vespo_weights`` and the checks take)."""
+        return {k: getattr(self, k) for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}

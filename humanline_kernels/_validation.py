@@ -473,13 +473,12 @@ def check_grpo_losses(p, logps, inp):
     """GRPO at the log-prob level (``hk.losses.grpo``): every TRL 1.16 option (:func:`check_grpo_options`) from the
     params ``p`` and the inputs ``inp``, ``kl_ref_logps``, and a caller's ``entropy_mask``."""
     _check_loss(p)
-    vespo = {k: getattr(p, k) for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
     check_grpo_options(
         logps, inp.advantages, clip=p.clip, epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high,
         loss_type=p.loss_type, normalizer=inp.normalizer if inp.normalizer is not None else p.normalizer,
         max_completion_length=p.max_completion_length, importance_sampling_level=p.importance_sampling_level,
         delta=p.delta, sapo_temperature_pos=p.sapo_temperature_pos, sapo_temperature_neg=p.sapo_temperature_neg,
-        vespo=vespo, importance_sampling_ratio=inp.importance_sampling_ratio, tool_mask=inp.tool_mask,
+        vespo=p.vespo, importance_sampling_ratio=inp.importance_sampling_ratio, tool_mask=inp.tool_mask,
         off_policy_mask_threshold=p.off_policy_mask_threshold, sampling_per_token_logps=inp.sampling_per_token_logps,
         top_entropy_quantile=p.top_entropy_quantile, entropies=inp.entropies, entropy_coef=p.entropy_coef,
         use_adaptive_entropy=p.use_adaptive_entropy, entropy_target=p.entropy_target,

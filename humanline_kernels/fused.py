@@ -265,9 +265,7 @@ def _logits_level(p, logits, labels, ref_logps, packed, validate):
 
 def _per_token(t, lay):
     """A per-token input (``[N]`` of a packed batch, shaped like its labels) on the padded rows; others as given."""
-    if lay is None or t is None or tuple(t.shape) != tuple(lay[1].shape):
-        return t
-    return L.unpack(t, lay[0], False if t.dtype == torch.bool else 0.0)
+    return t if lay is None else L.unpack_like(t, *lay)
 
 
 def _tokens(lay):

@@ -91,6 +91,19 @@ def _acc(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _planes(B, T, f, tm, kernels):
+    """The per-token planes ``(val, coef, lse, aux [4, B, T])`` the row kernels write chunk by chunk. A map may skip
+    positions: their labels are ignore_index, so the kernels never read them; the eager twins sum whole rows and
+    need zeros there."""
+    alloc = torch.empty if tm is None or kernels else torch.zeros
+    return tuple(alloc((B, T), **f) for _ in range(3)) + (alloc((4, B, T), **f),)
+
+
+def _sparse(tm, h2):
+    """Whether a map skips hidden rows (the supervised tokens only): their ``dh`` is never written, so zeros."""
+    return tm is not None and tm.M != h2.shape[0]
+
+
 def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed, supervised, pairs=False):
     """The checked ``(labels, ref_logps, map)`` of a loss call: as given (map None), or on the padded rows
     ``[S, T]`` with the token map of a packed batch and / or of the supervised positions (:mod:`._layout`; ``pairs``:
@@ -110,13 +123,6 @@ def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, valid
     if validate and supervised is not None:
         V.check_supervised(labels, y, p.ignore_index)
     return y, None if ref_logps is None else L.unpack(ref_logps, tm, 0.0), tm
-
-
-def _per_token(t, labels, tm):
-    """A per-token input (shaped like the caller's ``labels``) on the map's padded rows; others as given."""
-    if tm is None or t is None or tuple(t.shape) != tuple(labels.shape):
-        return t
-    return L.unpack(t, tm, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------- token log-probs
@@ -218,10 +224,7 @@ class _LinearSequences(torch.autograd.Function):
         B, T = labels.shape
         h2 = hidden.reshape(-1, hidden.shape[-1])
         f = dict(dtype=_acc(hidden), device=hidden.device)
-        # a map may skip positions of the planes: their labels are ignore_index, so the kernels never read them;
-        # the eager twins sum whole rows and need zeros there
-        alloc = torch.empty if tm is None or kernels else torch.zeros
-        out = tuple(alloc((B, T), **f) for _ in range(3)) + (alloc((4, B, T), **f),)
+        out = _planes(B, T, f, tm, kernels)
         ref = torch.zeros((B, T), **f) if ref is None else ref.to(f["dtype"]).contiguous()
         chunks = LC.token_chunks(B * T, rows) if tm is None else LC.map_chunks("sequence", tm, rows)
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
@@ -234,7 +237,7 @@ class _LinearSequences(torch.autograd.Function):
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, coef)
-        ctx.cfg = (p, chunks, kernels, tm is not None and tm.M != h2.shape[0])
+        ctx.cfg = (p, chunks, kernels, _sparse(tm, h2))
         ctx.mark_non_differentiable(n, met)
         ctx.set_materialize_grads(False)
         return s, pol, n, met
@@ -350,11 +353,9 @@ class _LinearLoss(torch.autograd.Function):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         grad, grpo = any(need), p.name == "grpo"
         f = dict(dtype=_acc(ref), device=hidden.device)
-        alloc = torch.empty if tm is None or kernels else torch.zeros  # (as in _LinearSequences)
-        val, coef, lse = (alloc((B, T), **f) for _ in range(3))
-        out = (val, coef, lse, alloc((4, B, T), **f))
-        sparse = tm is not None and tm.M != h2.shape[0]
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need, sparse) if grad else (None, None, None)
+        out = _planes(B, T, f, tm, kernels)
+        val, coef, lse, _ = out
+        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need, _sparse(tm, h2)) if grad else (None, None, None)
         # the per-chunk launches read these whole-batch inputs as they are: cast and made contiguous once per call
         ref = ref.to(f["dtype"]).contiguous()
         inp = p.Inputs(*(None if t is None else (t.to(f["dtype"]) if t.is_floating_point() else t).contiguous()
@@ -416,7 +417,7 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     given = labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    inp = GRPOInputs(_per_token(advantages, given, tm), _per_token(kl_ref_logps, given, tm), norm)
+    inp = GRPOInputs(L.unpack_like(advantages, tm, given), L.unpack_like(kl_ref_logps, tm, given), norm)
     V.check_grpo(p, labels.shape, ref_logps, inp)
     loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), tm, hidden, weight, bias,
                                   labels, *_distinct(ref_logps, *inp))

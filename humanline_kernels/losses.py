@@ -371,7 +371,7 @@ def _grpo(p, logps, ref_logps, mask, inp):
     weight, entropy_mask = _grpo_token_weights(p, logps, ref_logps, mask, A, inp)
     phi = None
     if p.loss_type == "vespo":
-        phi = grpo_vespo_weights(clipped, mask, A, inp.importance_sampling_ratio, **_vespo_options(p))
+        phi = grpo_vespo_weights(clipped, mask, A, inp.importance_sampling_ratio, **p.vespo)
     klr = ref_logps if inp.kl_ref_logps is None else inp.kl_ref_logps
     per_token, kl, low, high = grpo_token_terms(
         logps, clipped, klr, A, mask, beta=p.beta, epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high,
@@ -400,11 +400,6 @@ def _grpo(p, logps, ref_logps, mask, inp):
     if phi is not None:
         metrics["vespo_phi_mean"] = phi.mean() if phi.shape[1] == 1 else torch.where(mask, phi, 0.0).sum() / den
     return loss, metrics
-
-
-def _vespo_options(p):
-    return {"vespo_k_pos": p.vespo_k_pos, "vespo_lambda_pos": p.vespo_lambda_pos, "vespo_k_neg": p.vespo_k_neg,
-            "vespo_lambda_neg": p.vespo_lambda_neg}
 
 
 @torch.no_grad()
@@ -467,12 +462,7 @@ def unpacked(packed, logps, *per_token):
         return (logps, *per_token)
     V.check_packed("logps", logps, logps, None, packed)
     tm = L.packed_map(packed, logps.numel(), logps.device)
-
-    def move(t):
-        if t is None or tuple(t.shape) != tuple(logps.shape):
-            return t
-        return L.unpack(t, tm, False if t.dtype == torch.bool else 0.0)
-    return tuple(map(move, (logps, *per_token)))
+    return tuple(L.unpack_like(t, tm, logps) for t in (logps, *per_token))
 
 
 def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):

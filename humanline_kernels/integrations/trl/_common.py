@@ -12,7 +12,7 @@ from trl.trainer.utils import use_adapter
 
 from .._head import install_head
 from ..transformers import HumanlineSyncCallback, LookaheadTrainerMixin, _refuse
-from ._layouts import CU_SEQLENS, last_positions
+from ._layouts import CU_SEQLENS, last_positions, supervised_key
 from .config import reference_mode
 
 # The frozen reference adapter the trainers keep on a PEFT policy: TRL's own name for a PEFT reference adapter, so
@@ -149,7 +149,7 @@ class HumanlineMixin(LookaheadTrainerMixin):
     def _hk_head_layout(self, inputs, prefix=""):
         """The head's keywords for the supervised ranges the collator added (``fused="linear"`` only: the other
         heads take none), with the packed stream's boundaries when the batch is packed."""
-        ranges = inputs.get(f"hk_{prefix}supervised")
+        ranges = inputs.get(supervised_key(prefix))
         if not self.hk_supervised or ranges is None:
             return {}
         return {"hk_supervised": ranges, "hk_cu_seqlens": inputs.get(CU_SEQLENS)}

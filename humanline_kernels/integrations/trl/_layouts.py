@@ -17,8 +17,14 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-# keys of the batch that are ours (never model inputs)
-SUPERVISED = "hk_supervised"
+
+def supervised_key(prefix=""):
+    """The batch's key of the ranges of the ``prefix + "completion_mask"`` rows (KTO's KL rows: ``"KL_"``); like
+    :data:`CU_SEQLENS`, ours and never a model input."""
+    return f"hk_{prefix}supervised"
+
+
+SUPERVISED = supervised_key()
 CU_SEQLENS = "hk_cu_seqlens"
 
 
@@ -87,7 +93,7 @@ class LayoutCollator:
         for prefix in self.prefixes if self.ranges else ():
             cm = batch.get(prefix + "completion_mask")
             if torch.is_tensor(cm) and cm.device.type == "cpu":  # (a collator on the device: dense, no sync)
-                batch[f"hk_{prefix}supervised"] = completion_ranges(cm)
+                batch[supervised_key(prefix)] = completion_ranges(cm)
         if self.packed:
             batch = pack(batch, self.pad_token_id, self.pad_to_multiple_of)
         return batch

@@ -221,9 +221,11 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
                 **_mm(inputs))
         logps = logps.float()
         mask = inputs["completion_mask"].bool()
+        tool = inputs.get("tool_mask")
+        acting = mask if tool is None else mask & (tool != 0)  # the tokens the loss acts on (TRL: the mask times it)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old.float()  # TRL: None when generation is on-policy
-        options, scale = self._hk_loss_options(inputs, logps, entropies, old, mode)
+        options, scale = self._hk_loss_options(inputs, logps, entropies, old, acting, mode)
         loss, met = losses.grpo(logps, old if ref is None else ref, inputs["advantages"].float(), mask,
                                 clip=self.hk_clip, **options)
         loss = loss * scale
@@ -232,15 +234,14 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
                                                              if mode == "train" else 1)
         if mode == "train" and self.use_adaptive_entropy:
             self._hk_entropy_controller(met)
-        tool = inputs.get("tool_mask")
-        self._hk_log_grpo(mode, met, (mask if tool is None else mask & (tool != 0)).sum(), aux)
+        self._hk_log_grpo(mode, met, acting.sum(), aux)
         return loss
 
-    def _hk_loss_options(self, inputs, logps, entropies, old, mode):
-        """``hk.losses.grpo``'s keywords from TRL's settings and the micro-batch, and the scale TRL applies for
-        gradient accumulation (``GRPOTrainer._compute_loss``): "dapo", "cispo", "vespo" divide by the window's
-        token count (``num_items_in_batch`` spans the generation batch: rescaled to one window), the others and
-        the entropy bonus by the accumulation steps."""
+    def _hk_loss_options(self, inputs, logps, entropies, old, acting, mode):
+        """``hk.losses.grpo``'s keywords from TRL's settings and the micro-batch (``acting``: the completion and
+        tool mask), and the scale TRL applies for gradient accumulation (``GRPOTrainer._compute_loss``): "dapo",
+        "cispo", "vespo" divide by the window's token count (``num_items_in_batch`` spans the generation batch:
+        rescaled to one window), the others and the entropy bonus by the accumulation steps."""
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1
         normalizer, scale, coef = None, 1.0 / accum, self.entropy_coef
         if self.loss_type in _GLOBAL_NORMALIZER_TYPES:
@@ -248,8 +249,6 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
             if mode == "train":
                 normalizer = normalizer * accum / self.args.steps_per_generation
             scale, coef = 1.0, coef / accum
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * \
-            inputs["tool_mask"]
         kl_ref = None
         if not self.hk_humanline and self.beta != 0.0:
             kl_ref = inputs["ref_per_token_logps"].float()
@@ -269,7 +268,7 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
             options.update(off_policy_mask_threshold=self.off_policy_mask_threshold,
                            sampling_per_token_logps=inputs.get("sampling_per_token_logps", old).float())
         if self.top_entropy_quantile < 1.0:  # TRL's own mask: the quantile over every rank's tokens
-            options["entropy_mask"] = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            options["entropy_mask"] = self.get_high_entropy_mask(entropies, acting, 1 - self.top_entropy_quantile)
         return options, scale
 
     def _hk_vllm_weight(self, inputs):

@@ -18,12 +18,12 @@ from trl.trainer import kto_trainer as _kto_module
 from ... import _validation as V
 from ... import losses
 from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common
-from ._layouts import SUPERVISED, LayoutCollator, last_positions
+from ._layouts import SUPERVISED, LayoutCollator, last_positions, supervised_key
 from .config import HumanlineKTOConfig, hk_settings
 
 _KTO_NON_MODEL = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
                   "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps", "hk_ref_logps", SUPERVISED,
-                  "hk_KL_supervised"}
+                  supervised_key("KL_")}
 
 
 class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
