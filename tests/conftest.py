@@ -2,9 +2,10 @@
 
 CPU tensors go through the Triton interpreter, CUDA tensors through the compiled kernels, whatever
 ``TRITON_INTERPRET`` says (``humanline_kernels.ops._jit``; tests that set the variable to 0 take the eager path).
-Without CUDA the variable is set for the whole run (spawned processes inherit it). With CUDA it stays unset --
-Triton would build other libraries' kernels (Inductor's helpers, Liger) as interpreted ones too -- and the
-package's default for CPU tensors is switched to the interpreter instead. GPU-only tests skip without CUDA.
+Without CUDA the variable is set for the whole run (spawned processes inherit it). With CUDA (or
+``HK_TESTS_AS_ON_GPU=1``) it stays unset -- Triton would build other libraries' kernels (Inductor's helpers,
+Liger) as interpreted ones too -- and the package's default for CPU tensors is switched to the interpreter
+instead. GPU-only tests skip without CUDA.
 """
 import os
 
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
+# HK_TESTS_AS_ON_GPU=1: a GPU machine's import state on a CPU one (the GPU tests still skip), to reproduce there
+# what the suite does on a GPU machine apart from the CUDA tensors
+AS_ON_GPU = HAS_CUDA or os.environ.get("HK_TESTS_AS_ON_GPU") == "1"
+if not AS_ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
     import humanline_kernels.ops as _ops

@@ -26,10 +26,14 @@ def gate(tmp_path_factory):
         procs[arch] = subprocess.Popen([sys.executable, os.path.join(HERE, "compile_gate.py"), "--arch", str(arch)],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out = {}
-    for arch, p in procs.items():
-        stdout, stderr = p.communicate(timeout=600)
-        assert p.returncode == 0, f"compile gate for sm_{arch} crashed:\n{stderr[-3000:]}"
-        out[arch] = json.loads(stdout)
+    try:
+        for arch, p in procs.items():
+            stdout, stderr = p.communicate(timeout=600)
+            assert p.returncode == 0, f"compile gate for sm_{arch} crashed:\n{stderr[-3000:]}"
+            out[arch] = json.loads(stdout)
+    finally:  # a timed-out gate must not go on compiling beside the rest of the suite
+        for p in procs.values():
+            p.kill()
     return out
 
 

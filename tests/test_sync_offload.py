@@ -75,7 +75,11 @@ def test_cuda_policy_into_pinned_host_reference(kind):
                 return fully_shard(m, mesh=mesh, mp_policy=mp, **kw)
             pol = wrap(Net(0).cuda())
             ref = wrap(Net(1).cuda(), offload_policy=CPUOffloadPolicy(pin_memory=True))
-            shards = lambda m: [p._local_tensor for p in m.parameters()]  # noqa: E731
+            from humanline_kernels.sync._backends import _fsdp2_cls, _fsdp2_params
+
+            def shards(m):  # FSDP's own shards: after a no-grad forward the root registers its unsharded params
+                mods = [s for s in m.modules() if isinstance(s, _fsdp2_cls())]
+                return [fp.sharded_param._local_tensor for fp in _fsdp2_params(m, mods).values()]
         else:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from torch.distributed.fsdp import MixedPrecision
