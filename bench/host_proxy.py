@@ -105,15 +105,33 @@ def stand_in_driver():
     previous = driver._active
     for jf, _ in saved:
         jf.device_caches = collections.defaultdict(jf.create_binder)
+    stdlib = _compiled_stdlib()
     stand_in = StandInDriver()
     driver.set_active(stand_in)  # before any binder is made: it reads the driver's target
     try:
         yield stand_in
     finally:
+        for mod, name, value in stdlib:
+            setattr(mod, name, value)
         for jf, caches in saved:
             jf.device_caches = caches
         gc.collect()  # the stand-in's kernels unload through the driver that loaded them, not through the previous
         driver.set_active(previous)
+
+
+def _compiled_stdlib():
+    """Triton <= 3.6 with ``TRITON_INTERPRET=1`` at import made its standard library (``tl.max``, ``tl.sum``, ...)
+    interpreted functions, which the GPU code generator calls as Python (the compile then fails inside the
+    interpreter): compiled-kind twins in their place while the stand-in compiles. Returns what to put back."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    swapped = [(mod, name, value) for mod in {tl, tl.core, tl.standard, tl.math}
+               for name, value in list(vars(mod).items()) if isinstance(value, InterpretedFunction)]
+    twins = {}
+    for mod, name, value in swapped:
+        setattr(mod, name, twins.setdefault(id(value), JITFunction(value.fn)))
+    return swapped
 
 
 @contextlib.contextmanager
