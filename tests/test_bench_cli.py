@@ -84,7 +84,7 @@ def test_host_quick_runs(tmp_path, monkeypatch):
     assert bench_host.main(["--quick", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "host_quick.json").read_text())["rows"]
     assert {r["impl"] for r in rows} >= {"token_logprobs", "fused.dpo", "fused_linear.grpo"}
-    assert all(r["launches"] > 0 and r["cpu_ms"] > 0 for r in rows)
+    assert all(r["launches"] > 0 and r["cpu_ms"] > 0 and r["cpu_cold_ms"] > 0 for r in rows)
     assert all(r["syncs"] is None and r["gpu_drained_reps"] is None for r in rows)  # CUDA-only checks
 
 
@@ -96,7 +96,7 @@ def test_host_harness_sees_a_sync_and_a_drained_queue():
     x = torch.ones(4, device="cuda")
     assert bench_host._syncs(lambda: x.sum().item(), "cuda") is True
     assert bench_host._syncs(lambda: x * 2, "cuda") is False
-    _, drained = bench_host._cpu_ms(lambda: torch.cuda.synchronize(), "cuda", reps=3)
+    _, _, drained = bench_host._cpu_ms(lambda: torch.cuda.synchronize(), "cuda", reps=3)
     assert drained == 3
 
 
@@ -153,3 +153,34 @@ def test_gpu_parity_stage_runs_on_a_small_cpu_shape(interp, monkeypatch):
             "fused_linear.dpo supervised D=16 (grad wrt weight)"} <= names
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
+
+
+def test_gpu_stage_is_killed_at_its_budget_with_its_children(tmp_path):
+    """bench gpu's stage runner kills a silent command and the processes it started (pytest-xdist workers, spawned
+    ranks) at the budget, not at the next line of output."""
+    import io
+    import time
+
+    from bench import bench_gpu
+    pidfile = tmp_path / "child"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)")
+    t0 = time.time()
+    rc, tail = bench_gpu._sub([sys.executable, "-c", code], io.StringIO(), timeout=3)
+    assert time.time() - t0 < 30 and rc != 0
+    assert tail == ["started", "killed after 3 s"]
+    child = int(pidfile.read_text())
+    for _ in range(50):  # the child was SIGKILLed with its group; wait until the kernel has reaped or marked it
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:
+            if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the stage's child process outlived the kill")
