@@ -44,6 +44,7 @@ SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte align
     "T*V>2^31": ((2, 16384, 151936), None, True),
     "T=1": ((4, 1, 32000), None, True),
     "odd T, tiny V": ((3, 7, 5), None, False),
+    "one row": ((1, 8, 32000), None, True),  # the finalize kernels' 1 x 4 block_t tiles (see below)
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -248,7 +249,7 @@ def _cases():
                           lambda dt=dt, i=inplace: loss_bwd("aligned", dt, i)))
         # every specialisation-changing shape, main configurations
         for sn, (_shape, _sl, aligned) in SHAPES.items():
-            if sn == "aligned":
+            if sn in ("aligned", "one row"):
                 continue
             cases += [
                 (f"terms mode=1 clip=True {dn} {sn}", aligned, lambda dt=dt, s=sn: terms(s, dt, 1, True, False, None)),
@@ -277,9 +278,13 @@ def _cases():
                           lambda dt=DTYPES[dn], k=kind, m=mode: layout("fused_linear", k, dt, m)))
     # the [B, T] tail: one program over small fp32 tensors, not a row-streaming kernel, so no 16-byte load rule
     # (B and T are not specialised: the shapes below only change the pointers' and strides' specialisation)
-    for sn in ("aligned", "T=1", "odd T, tiny V"):
+    # (tiles follow the rows a program walks: 1 x 4 block_t for one row or DPO pair, 2 x 2 block_t for two, else 4 x
+    # block_t; "aligned" has one DPO pair and two rows, "T=1" four, "one row" one)
+    for sn in ("aligned", "T=1", "odd T, tiny V", "one row"):
         for kind, variant in (("dpo", ""), ("kto", ""), ("kto", "kl_rows"), ("kto", "z0"), ("grpo", ""),
                               ("grpo", "weights"), ("grpo", "norm_tensor"), ("sequence", ""), ("sequence", "weights")):
+            if sn == "one row" and kind == "dpo":
+                continue  # (pairs need two rows)
             cases.append((f"finalize {kind} {variant} {sn}", False, lambda s=sn, k=kind, v=variant: finalize(s, k, v)))
             if sn == "aligned":
                 cases.append((f"finalize {kind} {variant} {sn} contiguous labels", False,

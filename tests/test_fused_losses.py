@@ -28,16 +28,23 @@ def _data(B, T, V, dtype=torch.float32, seed=0):
     return x, y, torch.where(y != -100, ref, 0.0)
 
 
+def _f64(v):
+    return v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+
 def _run(kind, x, y, ref, extra, kw, *, upstream=1.0):
     """(loss, metrics, dlogits) of the reference and of hk.fused on the view x[:, :-1]."""
     out = []
     for impl in ("ref", "fused"):
         leaf = x.detach().clone().requires_grad_()
         if impl == "ref":
-            logps = hk.reference.token_logprobs(leaf[:, :-1].float(), y, temperature=kw.get("temperature", 1.0))
-            lkw = {k: v for k, v in kw.items() if k not in ("temperature", "grad_in_forward", "inplace_backward")}
-            args = (*extra[:1], y != -100, *extra[1:]) if kind == "grpo" else (y != -100, *extra)
-            loss, m = getattr(hk.reference, kind)(logps, ref, *args, **lkw)
+            # the oracle in float64: fp32 autograd of KTO's 1 - sigmoid(x) takes y (1 - y) with y ~ 1 at saturated
+            # rows and loses the gradient there (1.9e-4 relative on the H100's KTO case, the kernel 4e-7 from fp64)
+            logps = hk.reference.token_logprobs(leaf[:, :-1].double(), y, temperature=kw.get("temperature", 1.0))
+            lkw = {k: _f64(v) for k, v in kw.items() if k not in ("temperature", "grad_in_forward", "inplace_backward")}
+            args = [_f64(a) for a in ((*extra[:1], y != -100, *extra[1:]) if kind == "grpo" else (y != -100, *extra))]
+            loss, m = getattr(hk.reference, kind)(logps, ref.double(), *args, **lkw)
+            loss = loss.float()
         else:
             src = leaf * 1 if kw.get("inplace_backward") else leaf  # in place needs an intermediate buffer
             loss, m = getattr(hk.fused, kind)(src[:, :-1], y, ref, *extra, **kw)
@@ -86,6 +93,22 @@ def test_grpo_grad_in_forward_upstream(inplace):
          upstream=-3.0)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_one_row_and_one_pair(loss_type):
+    """One sequence (GRPO, KTO) or one DPO pair: the finalize kernels walk it in 1 x BLOCK_T tiles (``tiles``), 21
+    tokens crossing several of them."""
+    x, y, ref = _data(2, 21, 50, seed=14)
+    kw = dict(loss_type=loss_type, beta=0.04) | (dict(max_completion_length=25) if loss_type == "dr_grpo" else {})
+    _run("grpo", x[:1], y[:1], ref[:1], (torch.tensor([0.7]),), kw)
+    _run("grpo", x[:1], y[:1], ref[:1], (torch.tensor([-1.2]),), dict(kw, grad_in_forward=True))
+    if loss_type == "dapo":
+        _run("kto", x[:1], y[:1], ref[:1], (torch.tensor([True]), ref[:1] + 0.3, ref[:1], y[:1] != -100),
+             dict(beta=0.2))
+        y2 = y.clone()
+        y2[1, :15] = y[0, :15]  # the rejected row of the pair with labels too
+        _run("dpo", x, y2, torch.where(y2 != -100, ref - 0.2, 0.0), (), dict(beta=0.2))
+
+
 @pytest.mark.parametrize("clip", [hk.HumanlineClip(), None])
 def test_dpo(clip):
     x, y, ref = _data(4, 5, 150, seed=3)
@@ -107,6 +130,23 @@ def test_kto(with_kl):
         extra += (torch.randn(3, 4, generator=g) - 2, torch.randn(3, 4, generator=g) - 2.5,
                   torch.rand(3, 4, generator=g) > 0.3)
     _run("kto", x, y, ref, extra, dict(beta=0.3, desirable_weight=1.3, clip=hk.HumanlineClip(-1.0, 1.0)))
+
+
+def test_kto_saturated_rows():
+    """Rows with |beta (s - z0)| ~ 9..13 (the H100 run's KTO case): the kernel's sig(x) sig(-x) keeps the gradient
+    that fp32 autograd of the reference loses; the test's oracle runs in float64."""
+    x, y, ref = _data(4, 37, 300, seed=1)
+    des, kl = torch.tensor([True, False, True, False]), (ref[:2] - 0.1, ref[:2], y[:2] != -100)
+    leaf = x.detach().clone().requires_grad_()
+    grads = []
+    for dt in (torch.float32, torch.float64):  # the regime is real: fp32 autograd misses fp64 by more than GTOL
+        leaf.grad = None
+        lp = hk.reference.token_logprobs(leaf[:, :-1].to(dt), y, temperature=0.8)
+        hk.reference.kto(lp, ref.to(dt), y != -100, des, *(k.to(dt) for k in kl[:2]), kl[2], clip=None,
+                         beta=0.3)[0].backward()
+        grads.append(leaf.grad.double())
+    assert (grads[0] - grads[1]).norm() / grads[1].norm() > 2 * GTOL[torch.float32]
+    _run("kto", x, y, ref, (des, *kl), dict(clip=None, temperature=0.8, beta=0.3))
 
 
 def test_eager_fallback(monkeypatch):

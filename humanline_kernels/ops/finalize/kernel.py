@@ -33,13 +33,17 @@ from ..logprobs.kernel import device_guard
 from ..token_terms.kernel import _clamp
 
 
-def tiles(t: torch.Tensor, block_t: int = 128) -> tuple[int, int, int]:
-    """``(BLOCK_B, BLOCK_T, num_warps)``: ``4 x block_t`` tiles on GPU, 512 elements by default (2 a thread: 1024 made
-    the GRPO kernel spill under triton 3.6, 2048 under 3.9; the compile gate checks); 2 x 4 in the interpreter, so
-    that the small test shapes cross tile boundaries in both dimensions."""
+def tiles(t: torch.Tensor, block_t: int = 128, rows: int = 4) -> tuple[int, int, int]:
+    """``(BLOCK_B, BLOCK_T, num_warps)`` for a program that walks ``rows`` rows: ``4 x block_t`` tiles on GPU, 512
+    elements by default (2 a thread: 1024 made the GRPO kernel spill under triton 3.6, 2048 under 3.9; the compile
+    gate checks); with 1 or 2 rows the same elements as ``1 x 4 block_t`` or ``2 x 2 block_t``, since the loop is
+    latency bound by its trip count (run 3 on the H100: GRPO's single program over one row of 8192 tokens in
+    ``4 x 64`` tiles, 3/4 of each empty, added ~0.29 ms to the loss at every V). In the interpreter ``2 x 4`` (one
+    row: ``1 x 8``), so that the small test shapes cross tile boundaries in both dimensions."""
+    bb = 1 if rows <= 1 else 2 if rows == 2 else 4
     if t.device.type in COMPILED_DEVICES:
-        return 4, block_t, 8
-    return 2, 4, 1
+        return bb, block_t * 4 // bb, 8
+    return min(bb, 2), 8 // min(bb, 2), 1
 
 
 @jit
@@ -324,7 +328,7 @@ def _outputs(like, B, name):
 def _dpo_out(val: Tensor, aux: Tensor, labels: Tensor, loss: Tensor, met: Tensor, w: Tensor, beta: float,
              label_smoothing: float, ignore_index: int, j0: int, j1: int) -> None:
     B, T = labels.shape
-    bb, bt, warps = tiles(val)
+    bb, bt, warps = tiles(val, rows=j1 - j0)
     with device_guard(val):
         launcher(_dpo_finalize_kernel, val)[(1,)](
             # data
@@ -359,7 +363,7 @@ def _kto_out(val: Tensor, aux: Tensor, labels: Tensor, desirable: Tensor, kl: Op
     has_kl = kl is not None
     BK, TK = kl.shape if has_kl else (0, 0)
     # 256-element tiles: at 512, triton 3.6 spilled 4 bytes for sm_80 with contiguous labels and KL rows
-    bb, bt, warps = tiles(val, 64)
+    bb, bt, warps = tiles(val, 64, rows=min(b1 - b0, BK) if has_kl else b1 - b0)
     with device_guard(val):
         launcher(_kto_finalize_kernel, val)[(1,)](
             # data (absent KL rows and z0 point at val, and desirable stands in for a bool mask: no new variant)
@@ -401,7 +405,7 @@ def _grpo_out(val: Optional[Tensor], aux: Optional[Tensor], labels: Tensor, norm
     norm_kind = 2 if norm is not None else int(norm_value > 0)  # a tensor, a number (> 0 when given) or the count
     length = length or T
     # 256-element tiles: at 512, triton 3.6 spilled 4 bytes for sm_90 in the token-mean variant with terms
-    bb, bt, warps = tiles(labels, 64)
+    bb, bt, warps = tiles(labels, 64, rows=B)
     with device_guard(labels):
         launcher(_grpo_finalize_kernel, labels)[(1,)](
             # data (absent ones point at w: no new variant)
@@ -437,7 +441,7 @@ def _seq_out(val: Tensor, aux: Tensor, labels: Tensor, tw: Optional[Tensor], s: 
              met: Tensor, ignore_index: int) -> None:
     B, T = labels.shape
     # 256-element tiles: at 512, triton 3.6 spilled 12 bytes for sm_90 with a labels[:, 1:] view
-    bb, bt, warps = tiles(val, 64)
+    bb, bt, warps = tiles(val, 64, rows=B)
     with device_guard(val):
         launcher(_seq_finalize_kernel, val)[(1,)](
             # data (absent token weights point at val: no new variant)
