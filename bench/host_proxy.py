@@ -123,14 +123,16 @@ def _compiled_stdlib():
     """Triton <= 3.6 with ``TRITON_INTERPRET=1`` at import made its standard library (``tl.max``, ``tl.sum``, ...)
     interpreted functions, which the GPU code generator calls as Python (the compile then fails inside the
     interpreter): compiled-kind twins in their place while the stand-in compiles. Returns what to put back."""
-    import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
-    swapped = [(mod, name, value) for mod in {tl, tl.core, tl.standard, tl.math}
-               for name, value in list(vars(mod).items()) if isinstance(value, InterpretedFunction)]
-    twins = {}
+
+    from humanline_kernels.ops._jit import stdlib_functions
+    swapped = stdlib_functions(InterpretedFunction)
+    twins = {}  # one twin per function, also where two modules export it
     for mod, name, value in swapped:
-        setattr(mod, name, twins.setdefault(id(value), JITFunction(value.fn)))
+        if id(value) not in twins:
+            twins[id(value)] = JITFunction(value.fn)
+        setattr(mod, name, twins[id(value)])
     return swapped
 
 

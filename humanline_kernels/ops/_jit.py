@@ -90,6 +90,15 @@ def custom_op(name: str, mutates_args: tuple, bumps: tuple = ()):
     return register
 
 
+def stdlib_functions(kind) -> list:
+    """``(module, name, function)`` for every function of Triton's standard library (``tl.max``, ``tl.sum``, ...)
+    that is of ``kind``: ``JITFunction`` or the interpreter's ``InterpretedFunction``, which one depending on
+    ``TRITON_INTERPRET`` at ``import triton``."""
+    import triton.language as tl
+    return [(mod, name, value) for mod in {tl, tl.core, tl.standard, tl.math}
+            for name, value in list(vars(mod).items()) if isinstance(value, kind)]
+
+
 _PATCHED = False
 
 
@@ -109,7 +118,6 @@ def _patch_interpreter():
         return
     _PATCHED = True
     import numpy as np
-    import triton.language as tl
     from triton.runtime import interpreter as interp
     from triton.runtime import jit as _rt_jit
 
@@ -117,9 +125,8 @@ def _patch_interpreter():
     # triton.language holds compiled-kind functions: trigger that import now, before any patching
     _rt_jit.mangle_type(1)
 
-    stdlib = [(mod, name, value) for mod in {tl, tl.core, tl.standard, tl.math}
-              for name, value in list(vars(mod).items()) if isinstance(value, JITFunction)]
-    stdlib = [(mod, name, interpreted(value)) for mod, name, value in stdlib]  # built now, outside any patching
+    # built now, outside any patching
+    stdlib = [(mod, name, interpreted(value)) for mod, name, value in stdlib_functions(JITFunction)]
     original_lang = interp._patch_lang
 
     def patch_lang(fn):

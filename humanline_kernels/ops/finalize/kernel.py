@@ -33,7 +33,7 @@ from ..logprobs.kernel import device_guard
 from ..token_terms.kernel import _clamp
 
 
-def tiles(t: torch.Tensor, block_t: int = 128, rows: int = 4) -> tuple[int, int, int]:
+def tiles(t: torch.Tensor, block_t: int = 128, *, rows: int) -> tuple[int, int, int]:
     """``(BLOCK_B, BLOCK_T, num_warps)`` for a program that walks ``rows`` rows: ``4 x block_t`` tiles on GPU, 512
     elements by default (2 a thread: 1024 made the GRPO kernel spill under triton 3.6, 2048 under 3.9; the compile
     gate checks); with 1 or 2 rows the same elements as ``1 x 4 block_t`` or ``2 x 2 block_t``, since the loop is
@@ -43,7 +43,7 @@ def tiles(t: torch.Tensor, block_t: int = 128, rows: int = 4) -> tuple[int, int,
     bb = 1 if rows <= 1 else 2 if rows == 2 else 4
     if t.device.type in COMPILED_DEVICES:
         return bb, block_t * 4 // bb, 8
-    return min(bb, 2), 8 // min(bb, 2), 1
+    return (1, 8, 1) if bb == 1 else (2, 4, 1)
 
 
 @jit
