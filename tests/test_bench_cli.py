@@ -82,10 +82,22 @@ def test_host_quick_runs(tmp_path, monkeypatch):
     from bench import bench_host
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert bench_host.main(["--quick", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "host_quick.json").read_text())["rows"]
+    saved = json.loads((tmp_path / "host_quick.json").read_text())
+    rows, kernels = saved["rows"], saved["meta"]["kernels"]
     assert {r["impl"] for r in rows} >= {"token_logprobs", "fused.dpo", "fused_linear.grpo"}
     assert all(r["launches"] > 0 and r["cpu_ms"] > 0 and r["cpu_cold_ms"] > 0 for r in rows)
+    # what was counted, by name: the counts add up to the launches, and a fused-linear call's GEMMs are among them
+    assert all(sum(kernels[r["impl"]].values()) == r["launches"] for r in rows)
+    assert any(n.startswith("aten::mm") for n in kernels["fused_linear.grpo"])
     assert all(r["syncs"] is None and r["gpu_drained_reps"] is None for r in rows)  # CUDA-only checks
+
+
+def test_host_kernel_names_lose_their_template_arguments():
+    from bench import bench_host
+    assert bench_host._short("void cutlass::Kernel2<cutlass_80_tensorop<a, b<c>>>(Params)") == \
+        "void cutlass::Kernel2(Params)"
+    assert bench_host._short("Memset (Device)") == "Memset (Device)"
+    assert len(bench_host._short("k" * 500)) == 90
 
 
 @pytest.mark.gpu
