@@ -157,6 +157,9 @@ def main(argv=None):
     p.add_argument("--ignored", type=int, nargs="+", default=None, metavar="PCT",
                    help="prompt-like masks: the first PCT %% of each row ignored (e.g. 0 50 75); ours dense and on the "
                         "supervised tokens only, and the peers, against the dense GEMM floor (writes linear_masks.*)")
+    p.add_argument("--profile", nargs="+", default=None, metavar="IMPL",
+                   help="instead of timing: each named row (e.g. ours_dpo lm_head_gemm_fwd_bwd) under the torch "
+                        "profiler, its device kernels per call by time (writes linear_profile.json)")
     a = p.parse_args(argv)
     if a.ignored is not None and any(not 0 <= x < 100 for x in a.ignored):
         p.error(f"--ignored takes percentages in [0, 100), got {a.ignored}")
@@ -168,6 +171,16 @@ def main(argv=None):
     if a.ignored is not None:
         return _run_masks(B, T, D, V, dtype, device, chunks[:1], a.ignored, a.quick, a.out)
     h, w, y, ref, adv = _inputs(B, T, D, V, dtype, device)
+    if a.profile is not None:
+        cases = _cases(h, w, y, ref, adv, chunks, True)  # quick=True: no torch.compile peer to build
+        unknown = [n for n in a.profile if not callable(cases.get(n))]
+        if unknown:
+            known = ", ".join(n for n, f in cases.items() if callable(f))
+            p.error(f"--profile: no runnable row {unknown}; rows: {known}")
+        rows = [r for n in a.profile for r in _profile(n, cases[n], device)]
+        common.save("linear_profile_quick" if a.quick else "linear_profile", rows,
+                    _shape(B, T, D, V, dtype, device, chunks), a.out, y="ms_per_call")
+        return 0
     rows = _time_cases(_cases(h, w, y, ref, adv, chunks, a.quick), h, w, a.quick)
     meta = {**_shape(B, T, D, V, dtype, device, chunks), "flops_floor": 6 * B * T * D * V,
             "dW_bytes(param dtype)": V * D * w.element_size(), "dW_fp32_accumulator_bytes": 4 * V * D,
@@ -176,6 +189,37 @@ def main(argv=None):
     common.save("linear_quick" if a.quick else "linear", rows, meta, a.out)
     _plot(rows, os.path.join(a.out, ("linear_quick" if a.quick else "linear") + ".png"), meta)
     return 0
+
+
+def _profile(name, fn, device, reps=3):
+    """One row's device kernels per call, by time: why a row costs what it does (run 3's fused-linear DPO went
+    41.9 -> 45.5 ms with no change to its GEMMs)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.events():
+        on_device = ev.device_type == torch.autograd.DeviceType.CUDA if cuda else ev.cpu_parent is None
+        if not on_device:
+            continue
+        k = kernels.setdefault(ev.name[:120], [0, 0.0])
+        k[0] += 1
+        k[1] += (ev.device_time if cuda else ev.cpu_time_total) / 1e3
+    table = sorted(({"impl": name, "kernel": n, "per_call": c / reps, "ms_per_call": t / reps}
+                    for n, (c, t) in kernels.items()), key=lambda r: -r["ms_per_call"])
+    total = sum(r["ms_per_call"] for r in table)
+    what = "device kernels" if cuda else "top-level CPU ops"
+    return [{"impl": name, "kernel": f"(all {what})", "per_call": sum(r["per_call"] for r in table),
+             "ms_per_call": total}] + table
 
 
 def _shape(B, T, D, V, dtype, device, chunks):

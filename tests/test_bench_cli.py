@@ -153,6 +153,25 @@ def test_linear_masks_quick_runs_and_refuses_bad_flags(tmp_path, monkeypatch):
     assert "Traceback" not in r.stderr
 
 
+def test_linear_profile_quick_lists_each_rows_work_and_refuses_unknown_rows(tmp_path, monkeypatch):
+    """``python -m bench linear --profile``: each named row's work per call, a total row first that sums the rest;
+    a row that is not in the table is a one-line error naming the rows there are."""
+    import json
+
+    from bench import bench_linear
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert bench_linear.main(["--quick", "--profile", "ours_dpo", "lm_head_gemm_fwd_bwd", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "linear_profile_quick.json").read_text())["rows"]
+    for impl in ("ours_dpo", "lm_head_gemm_fwd_bwd"):
+        mine = [r for r in rows if r["impl"] == impl]
+        assert mine[0]["kernel"].startswith("(all ") and len(mine) > 1
+        assert mine[0]["ms_per_call"] == pytest.approx(sum(r["ms_per_call"] for r in mine[1:]))
+    assert any(r["kernel"] == "aten::mm" and r["per_call"] == 3 for r in rows if r["impl"] == "lm_head_gemm_fwd_bwd")
+    r = _bench("linear", "--quick", "--profile", "nope")
+    assert r.returncode == 2 and "error: --profile: no runnable row ['nope']" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("interp", ["1", "0"], ids=["interpreter", "eager"])
 def test_gpu_parity_stage_runs_on_a_small_cpu_shape(interp, monkeypatch):
     """``bench gpu``'s parity stage (every fused path, packed batches and the supervised tokens included, against
