@@ -257,8 +257,10 @@ def main(argv=None):
     py = sys.executable
     budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "linear": 150, "masks": 150, "sync": 120,
                "e2e": 150}  # 5 arms x (build + 13 steps of ~0.2 s): ~1 min expected, margin for Triton compiles
-    # -v -rfE: every failure is named in the log as it happens, so a stage killed at its budget still says what failed
+    # -v -rfE: every failure is named in the log as it happens, and HK_FAILURE_LOG (tests/conftest.py) gets its
+    # traceback then too, so a stage killed at its budget still says what failed and why
     suite = [py, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "tests"]
+    os.environ["HK_FAILURE_LOG"] = os.path.join(os.path.abspath(a.out), "test_failures.log")
     if a.with_suite:
         budgets["tests"] = 420  # run 3: the whole suite on 12 workers passed 94 % at ~400 s
         try:

@@ -12,8 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench(*args):
+    """The CLI in a subprocess that sees no GPU: these tests check flags and CPU smoke runs (on run 4's H200,
+    ``bench gpu`` here did not refuse but ran every stage until the test's timeout)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def test_help_lists_every_suite():
@@ -215,3 +218,26 @@ def test_gpu_stage_is_killed_at_its_budget_with_its_children(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError("the stage's child process outlived the kill")
+
+
+def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
+    """``HK_FAILURE_LOG``: each failure's traceback appended when reported (a suite killed at its cap keeps them),
+    once (the xdist controller writes, its workers do not), long ones cut to their end; passes write nothing."""
+    import types
+
+    import conftest
+    log = tmp_path / "failures.log"
+    monkeypatch.setenv("HK_FAILURE_LOG", str(log))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+    def rep(nodeid, failed, text):
+        return types.SimpleNamespace(nodeid=nodeid, when="call", failed=failed, longreprtext=text)
+    conftest.pytest_runtest_logreport(rep("tests/a.py::ok", False, ""))
+    conftest.pytest_runtest_logreport(rep("tests/a.py::bad", True, "E   AssertionError: 2.8e-5"))
+    conftest.pytest_runtest_logreport(rep("tests/a.py::long", True, "x" * 9000 + "E   the reason"))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    conftest.pytest_runtest_logreport(rep("tests/a.py::twice", True, "reported by the controller instead"))
+    text = log.read_text()
+    assert "=== tests/a.py::bad (call)\nE   AssertionError: 2.8e-5" in text
+    assert "E   the reason" in text and len(text) < 7000
+    assert "::ok" not in text and "::twice" not in text
