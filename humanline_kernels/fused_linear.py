@@ -78,10 +78,13 @@ def _need(hidden, weight, bias):
     return (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
 
 
-def _scaled(acc, go, dtype):
-    """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary)."""
+def _scaled(acc, go, dtype, kernels):
+    """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary); on the kernel path one vectorised
+    Triton pass (``torch.mul`` runs this at 30 % of the bandwidth on CUDA: ``ops.logprobs.kernel.scaled``)."""
     if acc is None:
         return None
+    if kernels:
+        return LC.impl(True)[0].scaled(acc, go, dtype)
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     return torch.mul(acc, go, out=out)
 
@@ -340,8 +343,9 @@ class _LinearLoss(torch.autograd.Function):
 
     Then one finalize launch over the whole batch gives the loss and the metrics (skipped for DPO / KTO in one
     chunk: the chunk's finalize was the whole batch's). A DPO chunk of some of the pairs has two token ranges
-    (chosen rows, rejected partners): its GEMMs run per range. KTO: the first chunk's finalize finds the baseline
-    ``z0`` from the KL rows (its ``kl`` metric); later launches read it from there.
+    (chosen rows, rejected partners), gathered for one lm_head GEMM and one ``dW`` accumulation. KTO: the first
+    chunk's finalize finds the baseline ``z0`` from the KL rows (its ``kl`` metric); later launches read it from
+    there.
     """
 
     @staticmethod
@@ -382,18 +386,19 @@ class _LinearLoss(torch.autograd.Function):
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         loss, met, _ = done if done is not None else finalize(val, out[3], labels, p, inp)
         ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
-        ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs))
+        ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs), kernels)
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)
         return loss, met
 
     @staticmethod
     def backward(ctx, go, _grad_met):
-        (dh, dw, db), (h_shape, w_dtype, b_dtype, n) = ctx.grads, ctx.meta
+        (dh, dw, db), (h_shape, w_dtype, b_dtype, n, kernels) = ctx.grads, ctx.meta
         if go is None:
             return (None,) * (10 + n)
         dh = None if dh is None else (dh * go).view(h_shape)  # one kernel: a 0-d go does not promote dh
-        return (None,) * 5 + (dh, _scaled(dw, go, w_dtype), _scaled(db, go, b_dtype)) + (None,) * (2 + n)
+        dw, db = _scaled(dw, go, w_dtype, kernels), _scaled(db, go, b_dtype, kernels)
+        return (None,) * 5 + (dh, dw, db) + (None,) * (2 + n)
 
 
 def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2,

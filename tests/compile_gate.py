@@ -224,6 +224,11 @@ def _cases():
         x, *_ = tensors(shape_name, dtype)
         LPK.scale_rows_(x, torch.empty((), dtype=torch.float32, device="meta"))
 
+    def scaled(shape, dtype):
+        # the fused-linear backward: the fp32 dW [V, D] / db [V] accumulator times grad_output, into the weight dtype
+        LPK.scaled(torch.empty(shape, dtype=torch.float32, device="meta"),
+                   torch.empty((), dtype=torch.float32, device="meta"), dtype)
+
     cases = []
     for dn, dt in DTYPES.items():
         # every constexpr combination at the aligned shape
@@ -241,6 +246,9 @@ def _cases():
             cases.append((f"logprobs_bwd inplace={inplace} entropy={entropy} {dn} aligned", True,
                           lambda dt=dt, i=inplace, e=entropy: bwd("aligned", dt, i, e)))
         cases.append((f"scale_rows {dn} aligned", True, lambda dt=dt: scale("aligned", dt)))
+        for what, shape, aligned in (("dW", (32000, 4096), True), ("db", (32000,), True), ("db V=50257", (50257,),
+                                                                                              False)):
+            cases.append((f"scaled {what} fp32->{dn}", aligned, lambda dt=dt, sh=shape: scaled(sh, dt)))
         for weights in (False, True):
             cases.append((f"sequence weights={weights} {dn} aligned", True,
                           lambda dt=dt, wt=weights: sequence("aligned", dt, wt)))

@@ -10,6 +10,7 @@ import torch
 import humanline_kernels as hk
 from humanline_kernels import ops
 from humanline_kernels import reference as R
+from humanline_kernels.ops import _jit
 from humanline_kernels.ops import linear as LC
 
 # Import triton and decorate the kernels now, under conftest's TRITON_INTERPRET=1: a first import while a test has
@@ -157,6 +158,35 @@ def test_chunks_of_several_pairs_strided_inputs_and_grad_output(path, name):
     want = torch.autograd.grad(rloss * 2.5, (h, w))
     for a, b in zip(got, want):
         assert _rel(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", [(37, 13), (301,), (0, 5)], ids=["dW", "db", "empty"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("s", [1.0, -2.5])
+def test_scaled_is_the_product_in_the_weights_dtype(shape, dtype, s):
+    """The fused-linear ``dW`` / ``db`` times ``grad_output``: one kernel pass from the fp32 accumulator into a new
+    tensor of the parameter's dtype, equal to torch's product rounded once; written at ``s == 1`` too (the in-place
+    twin skips that case), the accumulator left alone (a second backward of a retained graph reads it again)."""
+    from humanline_kernels.ops.logprobs import kernel as LPK
+    acc = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    before = acc.clone()
+    _jit.LAUNCHES.clear()
+    out = LPK.scaled(acc, torch.tensor(s), dtype)
+    assert out.dtype == dtype and out.shape == acc.shape and (out.data_ptr() != acc.data_ptr() or not acc.numel())
+    # Triton's interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest, as torch): one bf16 ulp here
+    tol = dict(atol=0, rtol=2 ** -7) if dtype == torch.bfloat16 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(out, (acc * s).to(dtype), **tol)
+    assert torch.equal(acc, before)
+    assert sum(n for (path, k), n in _jit.LAUNCHES.items() if k == "_scale_rows_kernel") == (1 if acc.numel() else 0)
+
+
+def test_retained_graph_backward_twice_gives_the_same_gradients():
+    h, w, b, y, ref, g = _case()
+    loss, _ = hk.fused_linear.dpo(h, w, y, ref, bias=b, chunk_bytes=2 * 7 * 53 * 4)
+    first = torch.autograd.grad(loss * 2.5, (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(loss * 2.5, (h, w, b))
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
 
 
 def test_grad_output_scaling_and_partial_requires_grad():

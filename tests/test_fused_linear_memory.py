@@ -88,11 +88,13 @@ class GemmFlops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.flops = 0
+        self.shapes = []  # (m, k, n) of each GEMM, in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
             a, b = args[-2:] if func.overloadpacket is not torch.ops.aten.mm else args[:2]
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            self.shapes.append((a.shape[0], a.shape[1], b.shape[1]))
         return func(*args, **(kwargs or {}))
 
 
@@ -114,6 +116,22 @@ def test_losses_never_recompute_the_gemm(monkeypatch):
     assert _gemm_flops(lambda: hk.fused_linear.token_logprobs(h, w, y).sum().backward()) == 4 * ndv
     with torch.no_grad():
         assert _gemm_flops(lambda: hk.fused_linear.grpo(h, w, y, ref, adv)) == ndv
+
+
+@pytest.mark.parametrize("interp", ["0", "1"], ids=["eager", "triton"])
+def test_a_dpo_pair_chunk_runs_one_logits_and_one_dw_gemm(monkeypatch, interp):
+    """A chunk of one pair holds two row ranges ``B/2`` rows apart: their hidden rows are gathered so that the
+    chunk has one lm_head GEMM and one ``dW`` accumulation (each of which reads and writes the fp32 ``[V, D]``
+    buffer: run 4's profile, 8 accumulations against GRPO's 4 at the same budget), ``dh`` per range."""
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    h, w, y, ref, _ = _inputs()
+    with GemmFlops() as fc:
+        hk.fused_linear.dpo(h, w, y, ref, chunk_bytes=2 * T * V * 4)[0].backward()  # one pair a chunk: 2 chunks
+    logits = [s for s in fc.shapes if s[1:] == (D, V)]
+    dw = [s for s in fc.shapes if (s[0], s[2]) == (V, D)]
+    dh = [s for s in fc.shapes if s[1:] == (V, D)]
+    assert logits == [(2 * T, D, V)] * 2 and dw == [(V, 2 * T, D)] * 2 and dh == [(T, V, D)] * 4, fc.shapes
+    assert fc.flops == 3 * 2 * B * T * D * V
 
 
 # ------------------------------------------------------------------------------------------------------ bad input

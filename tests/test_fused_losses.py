@@ -229,6 +229,7 @@ def test_opcheck():
         (hl.logprobs_bwd_inplace, (x.clone()[:, :-1], y, lse, g, w, None, torch.tensor([1.5]), None, None, None,
                                    1.0, -100, 6, 0, 0, None)),
         (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor([2.0]))),
+        (hl.scale_rows_out, (x3.float(), torch.tensor([2.0]), torch.empty_like(x3, dtype=torch.bfloat16))),
         (hl.token_terms_out, (x3, y, ref, None, torch.ones(2), None, None, False, f, f.clone(), f.clone(),
                               aux.clone(), *grpo_scalars)),
         (hl.token_terms_out, (x3, y, ref, ref, torch.ones(2), w, torch.empty_like(x3), False, f, f.clone(),

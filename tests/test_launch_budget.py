@@ -140,15 +140,15 @@ def _calls():
         "fused_linear.kto": (lambda: hk.fused_linear.kto(h, w, y, ref, des, *kl_rows, **one_chunk)[0], (h, w),
                              4 + 5, None),
         # more chunks: 6 a chunk (the finalize over the chunk's rows gives their w) + 4 (the whole batch's finalize
-        # for the loss and the metrics); a DPO chunk of some of the pairs has two token ranges, each with its own
-        # lm_head, dh and dW GEMMs: 9 a chunk
+        # for the loss and the metrics); a DPO chunk of some of the pairs has two token ranges, gathered (one copy)
+        # for one lm_head and one dW GEMM, and a dh GEMM each: 8 a chunk
         "fused_linear.dpo(2 chunks)": (lambda: hk.fused_linear.dpo(h, w, y, ref, **two_rows)[0], (h, w), 4 * 2 + 5,
-                                       9 * 2 + 4),
+                                       8 * 2 + 4),
         # layouts (docs/fused_linear.md): a packed batch moves its labels and reference to the padded rows (a fill
         # and a scatter each: + 4) and its kernels read a token map; the supervised tokens only also gather the
         # labels and reference of the map (+ 2), zero-fill dh (+ 1) and gather each chunk's hidden rows and scatter
-        # their dh (+ 2 a chunk), and need one lm_head, dh and dW GEMM a chunk (DPO's dense chunks of some pairs
-        # need two): DPO in 2 chunks, 6 a chunk + 4 + 7 + 2 a chunk, a ceiling as the dense one's
+        # their dh (+ 2 a chunk), and need one lm_head, dh and dW GEMM a chunk: DPO in 2 chunks, 6 a chunk + 4 + 7
+        # + 2 a chunk, a ceiling as the dense one's
         "fused.dpo(packed)": (lambda: hk.fused.dpo(xp, yp, rp, packed=packed, **nv)[0], xp, 8 + 4, None),
         "fused.grpo(packed)": (lambda: hk.fused.grpo(xp, yp, rp, adv, packed=packed, beta=0.04, **nv)[0], xp, 8 + 4,
                                None),

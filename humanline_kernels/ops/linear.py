@@ -126,13 +126,26 @@ def chunks_buffer(chunks, V, dtype, device):
 
 def gather_buffer(chunks, h2):
     """The buffer for the largest gathered chunk's ``[n, D]`` hidden rows (and, in the backward, its ``dh``), or
-    None when no chunk gathers."""
-    n = max((c.n for c in chunks if isinstance(c, Mapped) and isinstance(c.source, torch.Tensor)), default=0)
+    None when no chunk gathers. Its size is at most ``D / V`` of the logits buffer's."""
+    n = max((size(c) for c in chunks if _gathers(c)), default=0)
     return torch.empty((n, h2.shape[1]), dtype=h2.dtype, device=h2.device) if n else None
+
+
+def _gathers(segs):
+    """Whether a chunk's hidden rows are gathered into one buffer for its GEMMs: a map's index rows, or several
+    row ranges (a DPO pair chunk, chosen and rejected rows ``B/2`` rows apart). One range is used in place."""
+    if isinstance(segs, Mapped):
+        return isinstance(segs.source, torch.Tensor)
+    return len(segs) > 1
 
 
 def _rows_of(h2, segs, gbuf):
     """The chunk's hidden rows: a slice, or gathered into ``gbuf``."""
+    if not isinstance(segs, Mapped):
+        if len(segs) == 1:
+            (s, e), = segs
+            return h2[s:e]
+        return torch.cat([h2[s:e] for s, e in segs], out=gbuf[:size(segs)])
     src = segs.source
     if isinstance(src, tuple):
         return h2[src[0]:src[1]]
@@ -193,53 +206,40 @@ def alloc_grads(h2, weight, bias, chunks, need, sparse=False):
 
 
 def chunk_logits(buf, h2, wt, bias, segs, gbuf=None):
-    """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, one GEMM a token range (a mapped
-    chunk: one GEMM on its rows, gathered into ``gbuf`` unless contiguous)."""
+    """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, in one GEMM: on the rows in place
+    when they are one range, else gathered into ``gbuf`` (a map's index rows; a DPO pair chunk's two ranges, so
+    that its ``dW`` is one accumulation into the fp32 buffer, not one a range: run 4's profile)."""
     V = wt.shape[1]
     z = buf[:size(segs) * V].view(-1, V)
-    if isinstance(segs, Mapped):
-        h = _rows_of(h2, segs, gbuf)
-        if bias is None:
-            torch.mm(h, wt, out=z)
-        else:
-            torch.addmm(bias, h, wt, out=z)
-        return z
-    o = 0
-    for s, e in segs:
-        if bias is None:
-            torch.mm(h2[s:e], wt, out=z[o:o + e - s])
-        else:
-            torch.addmm(bias, h2[s:e], wt, out=z[o:o + e - s])
-        o += e - s
+    h = _rows_of(h2, segs, gbuf)
+    if bias is None:
+        torch.mm(h, wt, out=z)
+    else:
+        torch.addmm(bias, h, wt, out=z)
     return z
 
 
 def grads(h2, weight, segs, z, dh, dw, db, first, gbuf=None):
     """``dh[c] = dz W``, ``dW += dz^T h_c``, ``db += sum_rows dz`` for the chunk whose logits gradient is in ``z``
-    (a gathered chunk: ``h_c`` is still in ``gbuf`` from :func:`chunk_logits`; its ``dh`` goes there next, then to
-    its rows of ``dh``)."""
-    if isinstance(segs, Mapped):
-        src = segs.source
-        gathered = not isinstance(src, tuple)
-        if dw is not None:
-            h = gbuf[:segs.n] if gathered else h2[src[0]:src[1]]
-            _addmm_f32(dw, z.t(), h, beta=0 if first else 1)
-        if dh is not None:
+    (a gathered chunk: ``h_c`` is still in ``gbuf`` from :func:`chunk_logits`; a map's ``dh`` goes there next,
+    then to its rows of ``dh``; a pair chunk's ``dh`` straight to its two ranges)."""
+    gathered = _gathers(segs)
+    if dw is not None:  # one accumulation a chunk: each reads and writes the whole fp32 [V, D] buffer
+        h = gbuf[:size(segs)] if gathered else _rows_of(h2, segs, None)
+        _addmm_f32(dw, z.t(), h, beta=0 if first else 1)
+    if dh is not None:
+        if isinstance(segs, Mapped):
+            src = segs.source
             if gathered:
                 torch.mm(z, weight, out=gbuf[:segs.n])
                 dh.index_copy_(0, src, gbuf[:segs.n])
             else:
                 torch.mm(z, weight, out=dh[src[0]:src[1]])
-        _db(z, db, first)
-        return
-    o = 0
-    for i, (s, e) in enumerate(segs):
-        dz = z[o:o + e - s]
-        if dh is not None:
-            torch.mm(dz, weight, out=dh[s:e])
-        if dw is not None:
-            _addmm_f32(dw, dz.t(), h2[s:e], beta=0 if first and i == 0 else 1)
-        o += e - s
+        else:
+            o = 0
+            for s, e in segs:
+                torch.mm(z[o:o + e - s], weight, out=dh[s:e])
+                o += e - s
     _db(z, db, first)
 
 

@@ -197,16 +197,26 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w
 
 
 @jit
-def _scale_rows_kernel(x_ptr, x_sb, x_st, s_ptr, T, V, BLOCK_V: tl.constexpr):
-    """``x *= s`` in place, skipped on the device when ``s == 1`` (no host sync to find out)."""
+def _scale_row(src, dst, s, V, BLOCK_V: tl.constexpr):
+    cols = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        x = tl.load(src + c, mask=c < V, other=0.0).to(tl.float32)
+        tl.store(dst + c, (x * s).to(dst.dtype.element_ty), mask=c < V)
+
+
+@jit
+def _scale_rows_kernel(x_ptr, x_sb, x_st, s_ptr, out_ptr, o_sb, o_st, T, V, BLOCK_V: tl.constexpr,
+                       OUT: tl.constexpr):
+    """``x *= s`` in place, skipped on the device when ``s == 1`` (no host sync to find out); with ``OUT``,
+    ``out = x * s`` in ``out``'s dtype, ``s == 1`` included."""
     s = tl.load(s_ptr).to(tl.float32)
-    if s != 1.0:
-        base = _row_base(x_ptr, tl.program_id(0), T, x_sb, x_st)
-        cols = tl.arange(0, BLOCK_V)
-        for v0 in range(0, V, BLOCK_V):
-            c = v0 + cols
-            x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
-            tl.store(base + c, (x * s).to(base.dtype.element_ty), mask=c < V)
+    r = tl.program_id(0)
+    if OUT:
+        _scale_row(_row_base(x_ptr, r, T, x_sb, x_st), _row_base(out_ptr, r, T, o_sb, o_st), s, V, BLOCK_V)
+    elif s != 1.0:
+        base = _row_base(x_ptr, r, T, x_sb, x_st)
+        _scale_row(base, base, s, V, BLOCK_V)
 
 
 # ------------------------------------------------------------------ launchers (torch.library ops) and their callers
@@ -337,18 +347,41 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     return out
 
 
-@custom_op("scale_rows_", mutates_args=("x",), bumps=(0,))
-def _scale_rows(x: Tensor, scale: Tensor) -> None:
+def _launch_scale(x, scale, out):
     B, T, V = x.shape
     if B * T == 0:
         return
-    block, warps = block_config(x)
+    block, warps = block_config(x if out is None or out.element_size() < x.element_size() else out)
+    o = x if out is None else out  # rows of unit stride, as x's (the ops' callers pass such views)
     with device_guard(x):
         launcher(_scale_rows_kernel, x)[(B * T,)](
-            x_ptr=x, s_ptr=scale, x_sb=x.stride(0), x_st=x.stride(1), T=T, V=V, BLOCK_V=block, num_warps=warps)
+            # absent out points at x: no new variant
+            x_ptr=x, s_ptr=scale, out_ptr=o, x_sb=x.stride(0), x_st=x.stride(1), o_sb=o.stride(0), o_st=o.stride(1),
+            T=T, V=V, BLOCK_V=block, OUT=out is not None, num_warps=warps)
+
+
+@custom_op("scale_rows_", mutates_args=("x",), bumps=(0,))
+def _scale_rows(x: Tensor, scale: Tensor) -> None:
+    _launch_scale(x, scale, None)
+
+
+@custom_op("scale_rows_out", mutates_args=("out",))
+def _scale_rows_out(x: Tensor, scale: Tensor, out: Tensor) -> None:
+    _launch_scale(x, scale, out)
 
 
 def scale_rows_(x, scale):
     """``x [B, T, V] *= scale`` (0-d tensor) in place; a no-op on the device when ``scale == 1``."""
     _scale_rows(x, scale.reshape(1))
     return x
+
+
+def scaled(x, scale, dtype):
+    """``x * scale`` (``x`` contiguous, any shape; ``scale`` 0-d) as a new tensor of ``dtype``, in one pass: the
+    fused-linear ``dW`` (fp32 accumulator -> weight dtype) times ``grad_output``. ``torch.mul(x, scale, out=)``
+    with a 0-d CUDA ``scale`` and a dtype change takes TensorIterator's non-vectorised path: 2.21 ms for the
+    128256 x 4096 ``dW`` on the H200, 30 % of the bandwidth (run 4's profile, bench/NOTES.md)."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    rows = x.view(1, -1, x.shape[-1]) if x.dim() >= 2 else x.view(1, 1, -1)
+    _scale_rows_out(rows, scale.reshape(1).to(torch.float32), out.view(rows.shape))
+    return out
