@@ -20,6 +20,8 @@ from humanline_kernels import ops
 from humanline_kernels.ops import _jit
 assert isinstance(tl.max, JITFunction)  # Triton's standard library in compiled form, as on a GPU machine
 ops.INTERPRET_CPU_DEFAULT = True  # what tests/conftest.py does on a GPU machine
+spaces = {"tl": tl, "tl.core": tl.core, "tl.tensor": tl.core.tensor, "tl.math": tl.math, "tl.standard": tl.standard}
+before = {k: dict(vars(ns)) for k, ns in spaces.items()}
 g = torch.Generator().manual_seed(0)
 x = torch.randn(3, 5, 300, generator=g, requires_grad=True)
 y = torch.randint(0, 300, (3, 5), generator=g)
@@ -33,8 +35,10 @@ xr = x.detach().requires_grad_()
 lr = hk.reference.grpo(hk.reference.token_logprobs(xr, y), ref, adv, y != -100, beta=0.04)[0]
 errs["grpo"] = abs(loss.item() - lr.item())
 errs["grad"] = (torch.autograd.grad(loss, x)[0] - torch.autograd.grad(lr, xr)[0]).abs().max().item()
+leaked = sorted(f"{k}.{n}" for k, ns in spaces.items() for n, v in vars(ns).items()
+                if before[k].get(n, "<absent>") is not v and not isinstance(v, type(tl)))
 print(json.dumps({"errs": errs, "paths": sorted({p for p, _ in _jit.LAUNCHES}),
-                  "tl_max_restored": isinstance(tl.max, JITFunction)}))
+                  "tl_max_restored": isinstance(tl.max, JITFunction), "leaked": leaked}))
 """
 
 
@@ -47,6 +51,9 @@ def test_interpreted_twins_run_when_triton_was_imported_for_the_gpu():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["paths"] == ["interpreted"], res
     assert res["tl_max_restored"], "the interpreter's patches leaked out of the launch"
+    # its device-function calls (helpers, tl.max's body) patch triton.language and never restore it: before the
+    # fix 61-64 builtins of tl.core (where, maximum, load, ...) stayed the interpreter's after these launches
+    assert res["leaked"] == [], res["leaked"]
     assert all(v < 1e-4 for v in res["errs"].values()), res
 
 

@@ -109,6 +109,11 @@ def _patch_interpreter():
     * Triton's standard library (``tl.max``, ``tl.sum``, ...) is made of ``@jit`` functions, interpreted only when
       ``TRITON_INTERPRET=1`` was set before ``import triton``; on a GPU machine they are compiled-kind objects, which
       an interpreted kernel cannot call. Each is replaced by its interpreted twin.
+    * A device-function call inside an interpreted kernel (a ``@jit`` helper, ``tl.max``'s body) patches
+      ``triton.language`` for that function and never restores it (``InterpretedFunction.__call__``, triton 3.6
+      and 3.9): after one interpreted launch, 60-odd builtins of ``tl.core`` (``where``, ``maximum``, ``load``,
+      ...) stayed the interpreter's in a process that also compiles kernels for the GPU. Each launch now puts
+      the namespaces it may patch back as they were before it.
     * Triton <= 3.6 turns a scalar kernel argument (a 1-element array) into a Python int with ``int(array)``,
       which NumPy >= 2.4 refuses for arrays of one dimension (``range(0, V, BLOCK)`` then fails). Its tensors get
       an ``__index__`` that takes the one element.
@@ -136,6 +141,20 @@ def _patch_interpreter():
         return scope
 
     interp._patch_lang = patch_lang
+    import triton.language as tl
+    spaces = [ns for ns in (tl, tl.core, tl.core.tensor, tl.math, tl.standard,
+                            getattr(tl.core, "tensor_descriptor_base", None)) if ns is not None]
+    original_call = interp.GridExecutor.__call__
+
+    def call(self, *args, **kwargs):
+        saved = [dict(vars(ns)) for ns in spaces]
+        try:
+            return original_call(self, *args, **kwargs)
+        finally:
+            for ns, before in zip(spaces, saved):
+                _restore(ns, before)
+
+    interp.GridExecutor.__call__ = call
     try:
         int(np.array([1]))
         return
@@ -148,6 +167,16 @@ def _patch_interpreter():
         scope.set_attr(tensor, "__index__", lambda self: int(_one(self.handle.data)))
 
     interp._patch_lang_tensor = patch_tensor
+
+
+def _restore(ns, before):
+    """Put module or class ``ns`` back to its attributes ``before`` (a submodule imported meanwhile stays)."""
+    for name, value in list(vars(ns).items()):
+        if name not in before:
+            if not isinstance(value, types.ModuleType):
+                delattr(ns, name)
+        elif before[name] is not value:
+            setattr(ns, name, before[name])
 
 
 def _one(a):
