@@ -36,7 +36,7 @@ lr = hk.reference.grpo(hk.reference.token_logprobs(xr, y), ref, adv, y != -100, 
 errs["grpo"] = abs(loss.item() - lr.item())
 errs["grad"] = (torch.autograd.grad(loss, x)[0] - torch.autograd.grad(lr, xr)[0]).abs().max().item()
 leaked = sorted(f"{k}.{n}" for k, ns in spaces.items() for n, v in vars(ns).items()
-                if before[k].get(n, "<absent>") is not v and not isinstance(v, type(tl)))
+                if n in before[k] and before[k][n] is not v)  # replaced; added names are the interpreter's own
 print(json.dumps({"errs": errs, "paths": sorted({p for p, _ in _jit.LAUNCHES}),
                   "tl_max_restored": isinstance(tl.max, JITFunction), "leaked": leaked}))
 """

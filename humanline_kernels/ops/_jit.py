@@ -170,12 +170,11 @@ def _patch_interpreter():
 
 
 def _restore(ns, before):
-    """Put module or class ``ns`` back to its attributes ``before`` (a submodule imported meanwhile stays)."""
+    """Put back the attributes of module or class ``ns`` that a launch replaced. Names it added stay: the
+    interpreter adds its own (``interpreter_semantic``) to the globals its cached rewrites of Triton's standard
+    library read."""
     for name, value in list(vars(ns).items()):
-        if name not in before:
-            if not isinstance(value, types.ModuleType):
-                delattr(ns, name)
-        elif before[name] is not value:
+        if name in before and before[name] is not value:
             setattr(ns, name, before[name])
 
 

@@ -347,7 +347,8 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     return out
 
 
-def _launch_scale(x, scale, out):
+@custom_op("scale_rows_out", mutates_args=("out",))
+def _scale_rows_out(x: Tensor, scale: Tensor, out: Optional[Tensor]) -> None:
     B, T, V = x.shape
     if B * T == 0:
         return
@@ -355,19 +356,14 @@ def _launch_scale(x, scale, out):
     o = x if out is None else out  # rows of unit stride, as x's (the ops' callers pass such views)
     with device_guard(x):
         launcher(_scale_rows_kernel, x)[(B * T,)](
-            # absent out points at x: no new variant
+            # absent out (in place, through _scale_rows) points at x: no new variant
             x_ptr=x, s_ptr=scale, out_ptr=o, x_sb=x.stride(0), x_st=x.stride(1), o_sb=o.stride(0), o_st=o.stride(1),
             T=T, V=V, BLOCK_V=block, OUT=out is not None, num_warps=warps)
 
 
 @custom_op("scale_rows_", mutates_args=("x",), bumps=(0,))
 def _scale_rows(x: Tensor, scale: Tensor) -> None:
-    _launch_scale(x, scale, None)
-
-
-@custom_op("scale_rows_out", mutates_args=("out",))
-def _scale_rows_out(x: Tensor, scale: Tensor, out: Tensor) -> None:
-    _launch_scale(x, scale, out)
+    _scale_rows_out.fn(x, scale, None)
 
 
 def scale_rows_(x, scale):
