@@ -78,13 +78,14 @@ def _need(hidden, weight, bias):
     return (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
 
 
-def _scaled(acc, go, dtype, kernels):
-    """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary); on the kernel path one vectorised
-    Triton pass (``torch.mul`` runs this at 30 % of the bandwidth on CUDA: ``ops.logprobs.kernel.scaled``)."""
+def _scaled(acc, go, dtype, LP):
+    """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary); on the kernel path (``LP``, the
+    call's log-prob kernel module) one vectorised Triton pass (``torch.mul`` runs this at 30 % of the bandwidth on
+    CUDA: ``ops.logprobs.kernel.scaled``)."""
     if acc is None:
         return None
-    if kernels:
-        return LC.impl(True)[0].scaled(acc, go, dtype)
+    if LP is not None:
+        return LP.scaled(acc, go, dtype)
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     return torch.mul(acc, go, out=out)
 
@@ -386,18 +387,19 @@ class _LinearLoss(torch.autograd.Function):
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         loss, met, _ = done if done is not None else finalize(val, out[3], labels, p, inp)
         ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
-        ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs), kernels)
+        ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs),
+                    LP if kernels else None)
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)
         return loss, met
 
     @staticmethod
     def backward(ctx, go, _grad_met):
-        (dh, dw, db), (h_shape, w_dtype, b_dtype, n, kernels) = ctx.grads, ctx.meta
+        (dh, dw, db), (h_shape, w_dtype, b_dtype, n, LP) = ctx.grads, ctx.meta
         if go is None:
             return (None,) * (10 + n)
         dh = None if dh is None else (dh * go).view(h_shape)  # one kernel: a 0-d go does not promote dh
-        dw, db = _scaled(dw, go, w_dtype, kernels), _scaled(db, go, b_dtype, kernels)
+        dw, db = _scaled(dw, go, w_dtype, LP), _scaled(db, go, b_dtype, LP)
         return (None,) * 5 + (dh, dw, db) + (None,) * (2 + n)
 
 

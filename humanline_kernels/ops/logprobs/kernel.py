@@ -378,6 +378,6 @@ def scaled(x, scale, dtype):
     with a 0-d CUDA ``scale`` and a dtype change takes TensorIterator's non-vectorised path: 2.21 ms for the
     128256 x 4096 ``dW`` on the H200, 30 % of the bandwidth (run 4's profile, bench/NOTES.md)."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    rows = x.view(1, -1, x.shape[-1]) if x.dim() >= 2 else x.view(1, 1, -1)
-    _scale_rows_out(rows, scale.reshape(1).to(torch.float32), out.view(rows.shape))
+    shape = (1, 1, -1) if x.dim() == 1 else (1, -1, x.shape[-1])
+    _scale_rows_out(x.view(shape), scale.reshape(1), out.view(shape))  # the kernel reads any float scale
     return out
