@@ -246,8 +246,8 @@ def _cases():
             cases.append((f"logprobs_bwd inplace={inplace} entropy={entropy} {dn} aligned", True,
                           lambda dt=dt, i=inplace, e=entropy: bwd("aligned", dt, i, e)))
         cases.append((f"scale_rows {dn} aligned", True, lambda dt=dt: scale("aligned", dt)))
-        for what, shape, aligned in (("dW", (32000, 4096), True), ("db", (32000,), True), ("db V=50257", (50257,),
-                                                                                              False)):
+        for what, shape, aligned in (("dW", (32000, 4096), True), ("db", (32000,), True),
+                                     ("db V=50257", (50257,), False)):
             cases.append((f"scaled {what} fp32->{dn}", aligned, lambda dt=dt, sh=shape: scaled(sh, dt)))
         for weights in (False, True):
             cases.append((f"sequence weights={weights} {dn} aligned", True,

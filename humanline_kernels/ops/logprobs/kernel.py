@@ -348,22 +348,21 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
 
 
 @custom_op("scale_rows_out", mutates_args=("out",))
-def _scale_rows_out(x: Tensor, scale: Tensor, out: Optional[Tensor]) -> None:
+def _scale_rows_out(x: Tensor, scale: Tensor, out: Tensor) -> None:
     B, T, V = x.shape
     if B * T == 0:
         return
-    block, warps = block_config(x if out is None or out.element_size() < x.element_size() else out)
-    o = x if out is None else out  # rows of unit stride, as x's (the ops' callers pass such views)
+    block, warps = block_config(x if x.element_size() >= out.element_size() else out)  # the wider dtype's
     with device_guard(x):
         launcher(_scale_rows_kernel, x)[(B * T,)](
-            # absent out (in place, through _scale_rows) points at x: no new variant
-            x_ptr=x, s_ptr=scale, out_ptr=o, x_sb=x.stride(0), x_st=x.stride(1), o_sb=o.stride(0), o_st=o.stride(1),
-            T=T, V=V, BLOCK_V=block, OUT=out is not None, num_warps=warps)
+            # out is x: in place (through _scale_rows), skipped on the device when the scale is 1
+            x_ptr=x, s_ptr=scale, out_ptr=out, x_sb=x.stride(0), x_st=x.stride(1), o_sb=out.stride(0),
+            o_st=out.stride(1), T=T, V=V, BLOCK_V=block, OUT=out is not x, num_warps=warps)
 
 
 @custom_op("scale_rows_", mutates_args=("x",), bumps=(0,))
 def _scale_rows(x: Tensor, scale: Tensor) -> None:
-    _scale_rows_out.fn(x, scale, None)
+    _scale_rows_out.fn(x, scale, x)
 
 
 def scale_rows_(x, scale):
