@@ -77,7 +77,8 @@ def _ext_modules():
     here = os.path.dirname(os.path.abspath(__file__))
     ext = CUDAExtension(
         name=EXT_NAME,
-        sources=[os.path.join("csrc", "multi_tensor_copy.cu")],
+        # the binding (host compiler, torch headers) and the kernels (nvcc, no torch headers): csrc/multi_tensor_copy.h
+        sources=[os.path.join("csrc", "multi_tensor_copy.cpp"), os.path.join("csrc", "multi_tensor_copy_kernel.cu")],
         include_dirs=[os.path.join(here, "csrc")],
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},  # torch adds the C++ standard its headers need
     )

@@ -39,7 +39,8 @@ def dists(tmp_path_factory):
 def test_sdist_has_everything_to_build_and_test(dists):
     names = dists[0]
     need = ["LICENSE", "README.md", "CHANGELOG.md", "CITATION.cff", "pyproject.toml", "setup.py", "MANIFEST.in",
-            "csrc/multi_tensor_copy.cu", "csrc/multi_tensor_copy_kernel.cuh", "tests/conftest.py", "tests/_dist.py",
+            "csrc/multi_tensor_copy.cpp", "csrc/multi_tensor_copy.h", "csrc/multi_tensor_copy_kernel.cu",
+            "csrc/multi_tensor_copy_kernel.cuh", "tests/conftest.py", "tests/_dist.py",
             "tests/compile_gate.py", "tests/test_fused_losses.py", "docs/kernels.md", "examples/tiny.py",
             "examples/data/toy_preferences.jsonl", "humanline_kernels/ops/_jit.py", "bench/bench_gpu.py"]
     missing = [n for n in need if n not in names]

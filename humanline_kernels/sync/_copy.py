@@ -38,12 +38,13 @@ def load_extension(build: bool = True):
         pass
     if not build:
         return None
-    src = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc", "multi_tensor_copy.cu")
-    if not os.path.exists(src):
+    csrc = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc"))
+    srcs = [os.path.join(csrc, f) for f in ("multi_tensor_copy.cpp", "multi_tensor_copy_kernel.cu")]
+    if not all(os.path.exists(s) for s in srcs):
         return None
     try:
         from torch.utils.cpp_extension import load
-        _ext = load(name="humanline_sync_cuda", sources=[os.path.abspath(src)],
+        _ext = load(name="humanline_sync_cuda", sources=srcs,
                     extra_cuda_cflags=["-O3"], verbose=False)
     except Exception as e:  # no nvcc/ninja, incompatible toolkit: the fallback is correct, only slower
         warnings.warn(f"humanline_kernels: could not JIT-build the sync copy kernel ({type(e).__name__}: {e}); "

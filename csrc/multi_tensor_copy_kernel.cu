@@ -1,0 +1,49 @@
+// The torch-free half of the copy extension: hk_sync::copy (multi_tensor_copy.h) dispatches the (source, target)
+// dtype pair to the kernel and launcher of multi_tensor_copy_kernel.cuh.
+#include "multi_tensor_copy.h"
+#include "multi_tensor_copy_kernel.cuh"
+
+namespace hk_sync {
+namespace {
+
+template <typename S, typename D>
+cudaError_t run(void* const* dst, const void* const* src, const int64_t* numel, int64_t n, cudaStream_t stream) {
+  Launcher<S, D> launcher(stream);
+  for (int64_t i = 0; i < n; ++i) {
+    cudaError_t e = launcher.add(dst[i], src[i], numel[i]);
+    if (e != cudaSuccess) return e;
+  }
+  return launcher.flush();
+}
+
+template <typename S>
+cudaError_t run_dst(DType dt, void* const* dst, const void* const* src, const int64_t* numel, int64_t n,
+                    cudaStream_t stream) {
+  switch (dt) {
+    case kF32: return run<S, F32>(dst, src, numel, n, stream);
+    case kBF16: return run<S, BF16>(dst, src, numel, n, stream);
+    case kF16: return run<S, F16>(dst, src, numel, n, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+const char* text(cudaError_t e) { return e == cudaSuccess ? nullptr : cudaGetErrorString(e); }
+
+}  // namespace
+
+int max_tensors_per_launch() { return kMaxTensors; }
+
+const char* current_device(int* device) { return text(cudaGetDevice(device)); }
+
+const char* copy(DType src_dtype, DType dst_dtype, void* const* dst, const void* const* src, const int64_t* numel,
+                 int64_t n, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (src_dtype) {
+    case kF32: return text(run_dst<F32>(dst_dtype, dst, src, numel, n, s));
+    case kBF16: return text(run_dst<BF16>(dst_dtype, dst, src, numel, n, s));
+    case kF16: return text(run_dst<F16>(dst_dtype, dst, src, numel, n, s));
+  }
+  return text(cudaErrorInvalidValue);
+}
+
+}  // namespace hk_sync
