@@ -11,14 +11,17 @@ skipped (``warmup=True``). The cases cover every constexpr combination (loss mod
 forward, in place, entropy, loss backward, finalize) at one aligned shape for fp32/bf16/fp16 logits, and every
 specialisation-changing shape (rows not 16-byte aligned, batch/row strides past 2^31, T = 1, odd T, tiny V, a
 ``[:, :-1]`` view) for the main configurations, and the fused-linear driver of each loss (one chunk and split
-chunks). Each compiled variant is then checked with ``ptxas -v`` (no spills, no stack frame) and in its PTX (no
-local memory; 16-byte global loads in aligned variants, except the finalize kernels, which stream no row).
+chunks). Each compiled variant is then checked in the ``ptxas -v`` log of Triton's own build (no spills, no stack
+frame) and in its PTX (no local memory; 16-byte global loads in aligned variants, except the finalize kernels, which
+stream no row).
 
 Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
 import os
@@ -29,6 +32,8 @@ import tempfile
 import traceback
 
 os.environ["TRITON_INTERPRET"] = "0"
+# Triton runs ptxas -v on every kernel it builds; this prints that log, which the gate reads (see _resources)
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -49,6 +54,9 @@ SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte align
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+PTXAS_LOGS = {}  # id(compiled kernel) -> the ptxas -v log of Triton's own build of it (the kernels stay alive)
+
+
 def _install(arch, compiled, launches=None):
     """Compile instead of launching; ``launches`` (a list) records every launch's ``(kernel, kwargs, grid)``."""
     from triton.runtime import driver
@@ -59,7 +67,10 @@ def _install(arch, compiled, launches=None):
     def run(self, *args, grid, warmup, **kwargs):  # compile as at run time, never launch
         if launches is not None:
             launches.append((self, kwargs, grid))
-        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        with contextlib.redirect_stdout(io.StringIO()) as log:  # the ptxas log of a kernel built now
+            kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        if _REGS.search(log.getvalue()):
+            PTXAS_LOGS.setdefault(id(kernel), log.getvalue())
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
@@ -388,19 +399,25 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _REGS = re.compile(r"Used (\d+) registers")
 
 
-def _resources(ptx, arch):
-    """``(registers, stack, spill stores, spill loads)`` from ``ptxas -v`` on the variant's PTX."""
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(arch) if get_ptxas.__code__.co_argcount else get_ptxas()
-    path = ptxas.path if hasattr(ptxas, "path") else ptxas[0]
-    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)  # sm_90a on Hopper: what Triton built
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([path, "-v", f"--gpu-name={target}", src, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True)
-    text = out.stdout + out.stderr
+def _resources(kernel, arch):
+    """``(registers, stack, spill stores, spill loads)`` from ``ptxas -v``: the log of Triton's own ptxas run (its
+    flags, e.g. ``--regAllocOptLevel=2`` with triton 3.9), or a second ptxas run on the PTX for a kernel whose
+    build printed none (read from Triton's cache)."""
+    text = PTXAS_LOGS.get(id(kernel))
+    if text is None:
+        print(f"no ptxas log for {kernel.name}: running ptxas again", file=sys.stderr)
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(arch) if get_ptxas.__code__.co_argcount else get_ptxas()
+        path = ptxas.path if hasattr(ptxas, "path") else ptxas[0]
+        ptx = kernel.asm["ptx"]
+        target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)  # sm_90a on Hopper: what Triton built
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([path, "-v", f"--gpu-name={target}", src, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True, check=True)
+        text = out.stdout + out.stderr
     return (int(_REGS.search(text).group(1)), *(int(g) for g in _FRAME.search(text).groups()))
 
 
@@ -449,7 +466,7 @@ def main(argv=None):
         if key in seen:
             continue
         seen.add(key)
-        regs, stack, spill_st, spill_ld = _resources(ptx, a.arch)
+        regs, stack, spill_st, spill_ld = _resources(kernel, a.arch)
         # the finalize kernels (one program over small [B, T] tensors) stream no row: no 16-byte load rule
         v = {"case": name, "kernel": kname, "registers": regs, "stack": stack, "spill_stores": spill_st,
              "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx, "vector_loads": _vector_loads(ptx),
