@@ -88,14 +88,15 @@ def test_binding_compiles_with_torchs_flags(binding):
 
 @pytest.mark.skipif(nvcc is None or shutil.which("nm") is None, reason="nvcc or nm not on PATH")
 def test_extension_halves_link(binding, tmp_path):
-    """The kernel half compiled with torch's nvcc flags (sm_90) defines every hk_sync:: function the binding calls,
-    with the same signatures (C++ mangling carries them)."""
+    """The kernel half compiled with torch's nvcc flags (sm_90) has no spills and defines every hk_sync:: function
+    the binding calls, with the same signatures (C++ mangling carries them)."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
     cmd = [nvcc, "-c", os.path.join(CSRC, "multi_tensor_copy_kernel.cu"), "-o", str(tmp_path / "k.o"),
            f"-std={_torch_cxx_std()}", "-O3", "-gencode", "arch=compute_90,code=sm_90", "--compiler-options", "-fPIC",
-           *COMMON_NVCC_FLAGS]
+           "--resource-usage", *COMMON_NVCC_FLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
+    assert _no_spills(r.stdout + r.stderr) == 9  # as before the split, under torch's flags too
     needed = _hk_symbols(binding, defined=False)
     assert needed >= {"hk_sync::max_tensors_per_launch()", "hk_sync::current_device(int*)"}, needed
     assert needed <= _hk_symbols(tmp_path / "k.o", defined=True), needed
