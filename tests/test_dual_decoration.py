@@ -69,3 +69,26 @@ def test_interpreter_without_numpy_says_so(monkeypatch):
         hk.token_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long))
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the eager path needs no NumPy
     assert hk.token_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)).shape == (2, 3)
+
+
+def test_interpreted_launch_patches_the_language_once_per_namespace_set(monkeypatch):
+    """Triton patches ``triton.language`` again on every device-function call (a helper, ``tl.max``'s body), about
+    2 ms each, half of an interpreted launch before ``_jit`` kept one patch per launch: the patch count of a call
+    does not grow with its rows (programs), each of which calls helpers."""
+    import torch
+    from triton.runtime import interpreter as interp
+
+    import humanline_kernels as hk
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    hk.token_logprobs(torch.randn(1, 1, 40), torch.zeros(1, 1, dtype=torch.long))  # the one-time set-up first
+    original, counts = interp._patch_builtin, []
+
+    def counted(*args):
+        counts[-1] += 1
+        return original(*args)
+    monkeypatch.setattr(interp, "_patch_builtin", counted)
+    for rows in (1, 9):
+        counts.append(0)
+        x = torch.randn(rows, 1, 40, requires_grad=True)
+        hk.token_logprobs(x, torch.zeros(rows, 1, dtype=torch.long)).sum().backward()
+    assert 0 < counts[0] == counts[1], counts

@@ -103,8 +103,8 @@ _PATCHED = False
 
 
 def _patch_interpreter():
-    """Two gaps of Triton's interpreter when it runs next to compiled kernels, closed for the run of each
-    interpreted kernel (through the interpreter's own patch scope, restored after the launch):
+    """Gaps of Triton's interpreter when it runs next to compiled kernels, closed for the run of each interpreted
+    kernel (through the interpreter's own patch scope, restored after the launch), and one cost:
 
     * Triton's standard library (``tl.max``, ``tl.sum``, ...) is made of ``@jit`` functions, interpreted only when
       ``TRITON_INTERPRET=1`` was set before ``import triton``; on a GPU machine they are compiled-kind objects, which
@@ -117,6 +117,9 @@ def _patch_interpreter():
     * Triton <= 3.6 turns a scalar kernel argument (a 1-element array) into a Python int with ``int(array)``,
       which NumPy >= 2.4 refuses for arrays of one dimension (``range(0, V, BLOCK)`` then fails). Its tensors get
       an ``__index__`` that takes the one element.
+    * Triton patches ``triton.language`` again on every device-function call (``inspect.getmembers`` of five
+      namespaces, about 2 ms): half the time of an interpreted launch of ours went there. Within a launch a
+      namespace set is patched once; nothing restores it before the launch ends.
     """
     global _PATCHED
     if _PATCHED:
@@ -133,24 +136,35 @@ def _patch_interpreter():
     # built now, outside any patching
     stdlib = [(mod, name, interpreted(value)) for mod, name, value in stdlib_functions(JITFunction)]
     original_lang = interp._patch_lang
+    import triton.language as tl
+    # ids of the language modules patched so far by the launch running now (None between launches): they alone
+    # decide what a patch does (``fn`` only names them, through its globals)
+    launch = {"patched": None}
 
     def patch_lang(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        done = launch["patched"]
+        if done and langs and langs <= done:  # a device-function call: its namespaces are patched until the
+            return None                       # launch ends (Triton ignores this call's scope)
         scope = original_lang(fn)
         for mod, name, twin in stdlib:
             scope.set_attr(mod, name, twin)
+        if done is not None:
+            done |= langs
         return scope
 
     interp._patch_lang = patch_lang
-    import triton.language as tl
     spaces = [ns for ns in (tl, tl.core, tl.core.tensor, tl.math, tl.standard,
                             getattr(tl.core, "tensor_descriptor_base", None)) if ns is not None]
     original_call = interp.GridExecutor.__call__
 
     def call(self, *args, **kwargs):
         saved = [dict(vars(ns)) for ns in spaces]
+        launch["patched"] = set()
         try:
             return original_call(self, *args, **kwargs)
         finally:
+            launch["patched"] = None
             for ns, before in zip(spaces, saved):
                 _restore(ns, before)
 
