@@ -38,9 +38,9 @@ import statistics
 import sys
 import time
 
-import torch
-
-from . import common
+# torch (and .common, which imports it) are imported by main() once the flags are read: a bad flag is answered
+# before seconds of imports
+torch = common = None
 
 ARMS = ("offline", "offline_eager", "sync", "lookahead", "authors")
 HUMANLINE = ("sync", "lookahead", "authors")
@@ -293,8 +293,6 @@ def main(argv=None):
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    if not a.quick and not torch.cuda.is_available():
-        p.error("the full size needs a CUDA device (this machine has none); --quick is the CPU smoke run")
     for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "steps"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
@@ -309,6 +307,12 @@ def main(argv=None):
         p.error(f"--warmup must be >= {CHECK_STEP + 1} (the exactness check reads step {CHECK_STEP})")
     if not (a.lr > 0 and math.isfinite(a.lr)):
         p.error(f"--lr must be a positive number, got {a.lr}")
+    global torch, common
+    import torch
+
+    from . import common
+    if not a.quick and not torch.cuda.is_available():
+        p.error("the full size needs a CUDA device (this machine has none); --quick is the CPU smoke run")
     arms = [arm for arm in ARMS if arm == "offline" or arm in a.arms]
     device = "cpu" if a.quick else "cuda"
     dtype = torch.float32 if a.quick else torch.bfloat16

@@ -17,10 +17,17 @@ def _e2e(*args):
                           timeout=300, env=env)
 
 
-def test_quick_runs_every_arm_and_the_humanline_arms_agree(tmp_path):
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One dense ``--quick`` run, read by the tests below: ``(result, seconds, out dir)``."""
+    out = tmp_path_factory.mktemp("e2e")
     t0 = time.time()
-    r = _e2e("--quick", "--out", str(tmp_path))
-    took = time.time() - t0
+    r = _e2e("--quick", "--out", str(out))
+    return r, time.time() - t0, out
+
+
+def test_quick_runs_every_arm_and_the_humanline_arms_agree(quick):
+    r, took, tmp_path = quick
     assert r.returncode == 0, r.stdout + r.stderr
     assert took < 30, f"--quick took {took:.1f} s"
     data = json.loads((tmp_path / "e2e_quick.json").read_text())
@@ -64,13 +71,13 @@ def test_full_size_refuses_cpu_in_one_line():
     assert r.returncode == 2 and "needs a CUDA device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_quick_supervised_computes_the_same_losses(tmp_path):
+def test_quick_supervised_computes_the_same_losses(quick, tmp_path):
     """``--supervised``: the hk arms run the lm_head on the completion half only; every arm's losses equal the
     dense run's (the eager authors' arm computes every position either way)."""
-    dense = _e2e("--quick", "--out", str(tmp_path))
+    dense, _, dense_out = quick
     sup = _e2e("--quick", "--supervised", "--out", str(tmp_path))
     assert dense.returncode == 0 and sup.returncode == 0, sup.stdout + sup.stderr
-    d = json.loads((tmp_path / "e2e_quick.json").read_text())["meta"]["losses"]
+    d = json.loads((dense_out / "e2e_quick.json").read_text())["meta"]["losses"]
     s = json.loads((tmp_path / "e2e_supervised_quick.json").read_text())
     assert s["meta"]["supervised"]
     for arm, losses in d.items():
