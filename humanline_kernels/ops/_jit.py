@@ -137,12 +137,12 @@ def _patch_interpreter():
     stdlib = [(mod, name, interpreted(value)) for mod, name, value in stdlib_functions(JITFunction)]
     original_lang = interp._patch_lang
     import triton.language as tl
-    # ids of the language modules patched so far by the launch running now (None between launches): they alone
-    # decide what a patch does (``fn`` only names them, through its globals)
+    # the language modules (tl, tl.core) patched so far by the launch running now (None between launches): they
+    # alone decide what a patch does (``fn`` only names them, through its globals)
     launch = {"patched": None}
 
     def patch_lang(fn):
-        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        langs = {v for v in fn.__globals__.values() if v is tl or v is tl.core}
         done = launch["patched"]
         if done and langs and langs <= done:  # a device-function call: its namespaces are patched until the
             return None                       # launch ends (Triton ignores this call's scope)
