@@ -1,7 +1,8 @@
 // Multi-tensor copy/cast kernel for the humanline reference sync (torch-free; instantiated in
-// multi_tensor_copy_kernel.cu, bound in multi_tensor_copy.cpp). One launch copies up to kMaxTensors tensors: the tensor table travels in the kernel
-// parameter space (32 KiB since CUDA 12.1, 4 KiB before), each block copies one fixed-size chunk of one tensor
-// with 16-byte loads, and casts fp32/bf16/fp16 on the fly (round to nearest even, as torch's copy_ does).
+// multi_tensor_copy_kernel.cu, bound in multi_tensor_copy.cpp). One launch copies up to kMaxTensors tensors: the
+// tensor table travels in the kernel parameter space (32 KiB since CUDA 12.1, 4 KiB before), each block copies one
+// fixed-size chunk of one tensor with 16-byte loads, and casts fp32/bf16/fp16 on the fly (round to nearest even, as
+// torch's copy_ does).
 #pragma once
 #include <cstdint>
 #include <type_traits>

@@ -19,8 +19,6 @@ nvcc = shutil.which("nvcc")
 
 def _torch_cxx_std():
     """The C++ standard torch's extension builder passes to nvcc (C++17 up to torch 2.11, C++20 in 2.13)."""
-    import re
-
     from torch.utils import cpp_extension
     with open(cpp_extension.__file__) as f:
         m = re.search(r"cpp_flag_prefix \+ 'c\+\+(\d+)'", f.read())
@@ -34,17 +32,33 @@ def _no_spills(out):
     return len(frames)
 
 
+@pytest.fixture(scope="module")
+def kernel_build(tmp_path_factory):
+    """``build(arch) -> (object file, ptxas report)``: the extension's torch-free translation unit as torch's extension
+    builder compiles it (its C++ standard and nvcc flags) for sm_<arch>, once per architecture."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    builds = {}
+
+    def build(arch):
+        if arch not in builds:
+            obj = tmp_path_factory.mktemp(f"sm{arch}") / "k.o"
+            cmd = [nvcc, "-c", os.path.join(CSRC, "multi_tensor_copy_kernel.cu"), "-o", str(obj),
+                   f"-std={_torch_cxx_std()}", "-O3", "-gencode", f"arch=compute_{arch},code=sm_{arch}",
+                   "--compiler-options", "-fPIC", "--resource-usage", *COMMON_NVCC_FLAGS]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-4000:]
+            builds[arch] = obj, r.stdout + r.stderr
+        return builds[arch]
+    return build
+
+
 @pytest.mark.skipif(nvcc is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("arch", [90, 80])
-def test_kernel_compiles_with_nvcc_without_spills(tmp_path, arch):
-    # the extension's torch-free translation unit: its dispatch instantiates the kernel for all 9 (source, target)
-    # dtype pairs
-    cmd = [nvcc, "-c", os.path.join(CSRC, "multi_tensor_copy_kernel.cu"), "-o", str(tmp_path / "k.o"), "-std=c++17",
-           "-O3", "-gencode", f"arch=compute_{arch},code=sm_{arch}", "--resource-usage"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert (tmp_path / "k.o").stat().st_size > 0
-    assert _no_spills(r.stdout + r.stderr) == 9  # one report per kernel instantiation
+def test_kernel_compiles_with_nvcc_without_spills(kernel_build, arch):
+    # its dispatch instantiates the kernel for all 9 (source, target) dtype pairs
+    obj, report = kernel_build(arch)
+    assert obj.stat().st_size > 0
+    assert _no_spills(report) == 9  # one report per kernel instantiation
 
 
 def _compile_binding(obj):
@@ -87,19 +101,12 @@ def test_binding_compiles_with_torchs_flags(binding):
 
 
 @pytest.mark.skipif(nvcc is None or shutil.which("nm") is None, reason="nvcc or nm not on PATH")
-def test_extension_halves_link(binding, tmp_path):
-    """The kernel half compiled with torch's nvcc flags (sm_90) has no spills and defines every hk_sync:: function
-    the binding calls, with the same signatures (C++ mangling carries them)."""
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
-    cmd = [nvcc, "-c", os.path.join(CSRC, "multi_tensor_copy_kernel.cu"), "-o", str(tmp_path / "k.o"),
-           f"-std={_torch_cxx_std()}", "-O3", "-gencode", "arch=compute_90,code=sm_90", "--compiler-options", "-fPIC",
-           "--resource-usage", *COMMON_NVCC_FLAGS]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert _no_spills(r.stdout + r.stderr) == 9  # as before the split, under torch's flags too
+def test_extension_halves_link(binding, kernel_build):
+    """The kernel half (sm_90, torch's nvcc flags) defines every hk_sync:: function the binding calls, with the
+    same signatures (C++ mangling carries them)."""
     needed = _hk_symbols(binding, defined=False)
     assert needed >= {"hk_sync::max_tensors_per_launch()", "hk_sync::current_device(int*)"}, needed
-    assert needed <= _hk_symbols(tmp_path / "k.o", defined=True), needed
+    assert needed <= _hk_symbols(kernel_build(90)[0], defined=True), needed
 
 
 def _make(dt_src, dt_dst, device, n=300):
