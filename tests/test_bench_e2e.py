@@ -2,9 +2,9 @@
 compute what they claim (sync, lookahead and the authors' way: the same losses); bad flags are a one-line error."""
 import json
 import os
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -19,17 +19,22 @@ def _e2e(*args):
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One dense ``--quick`` run, read by the tests below: ``(result, seconds, out dir)``."""
+    """One dense ``--quick`` run, read by the tests below: ``(result, CPU seconds of the run, out dir)``.
+
+    CPU time, not wall time: under xdist on 2 cores the wall time is the neighbours' (35 s in a CI run, 43 s with
+    six processes on 2 cores here) while the run's own CPU time stays near 10 s (16 s in that crowd)."""
     out = tmp_path_factory.mktemp("e2e")
-    t0 = time.time()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = _e2e("--quick", "--out", str(out))
-    return r, time.time() - t0, out
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out
 
 
 def test_quick_runs_every_arm_and_the_humanline_arms_agree(quick):
     r, took, tmp_path = quick
     assert r.returncode == 0, r.stdout + r.stderr
-    assert took < 30, f"--quick took {took:.1f} s"
+    # seconds, not minutes: a slip into the interpreter or a full-size model costs minutes of CPU
+    assert took < 60, f"--quick took {took:.1f} CPU-s"
     data = json.loads((tmp_path / "e2e_quick.json").read_text())
     arms = ["offline", "offline_eager", "sync", "lookahead", "authors"]
     assert [row["arm"] for row in data["rows"]] == arms
