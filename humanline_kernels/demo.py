@@ -32,6 +32,15 @@ reference syncs, wall time per run with sampling included, best learning rate), 
 those numbers, and writes a plot of the rule rate over training (``--plot``; ``--no-plot``). Whatever it
 measures is what it reports. On CUDA the losses run through the fused Triton kernels (``hk.fused``), on CPU
 through the eager path.
+
+Runs are seeded: the same settings, torch version and CPU rounding give the same numbers. The rounding is the
+CPU's vector instruction set as ATen and MKL use it (printed beside ``device=cpu``): 60 steps of AdamW amplify a
+last-bit difference into different samples, so another instruction set gives other numbers, further apart than
+the seeds' standard errors suggest. ``--objective all`` runs the three objectives in turn, ``--markdown`` prints
+README's table rows for the run, ``--save PATH`` merges it into the JSON record that README's demo table is
+written from (``python -m bench report --readme``), with a canary: a tiny run of every objective under pinned
+rounding whose exact losses CI repeats (tests/test_readme.py), so that the record cannot silently stop describing
+the code.
 """
 from __future__ import annotations
 
@@ -242,7 +251,7 @@ def train_arm(arm, objective, start, pool, *, lr, seed, steps, batch, clip, sync
     source = _Source(arm, objective, pool, batch, gen, device, resample_every)
     use_clip = clip if humanline else None
     eval_seed = 10_000 + seed  # the same evaluation samples for every arm and learning rate of a seed
-    curve, clipped, syncs = [], [], 0
+    curve, clipped, losses, syncs = [], [], [], 0
     train_s = 0.0
     for step in range(steps):
         if step % eval_every == 0:
@@ -275,6 +284,7 @@ def train_arm(arm, objective, start, pool, *, lr, seed, steps, batch, clip, sync
             syncs += syncer.wait()  # on a sync step the reference now holds the policy from before this update
         opt.step()
         train_s += time.perf_counter() - t
+        losses.append(loss.detach())
         if humanline:
             clipped.append(1.0 - m["unclipped_frac"])
     curve.append((steps, rule_rate(policy, torch.Generator().manual_seed(eval_seed + steps), device, curve_n)))
@@ -282,7 +292,8 @@ def train_arm(arm, objective, start, pool, *, lr, seed, steps, batch, clip, sync
             "heldout": rule_rate(policy, torch.Generator().manual_seed(eval_seed + 1), device, eval_n, "heldout"),
             "report": rule_rate(policy, torch.Generator().manual_seed(eval_seed + 2), device, eval_n, "report"),
             "clip_frac": torch.stack(clipped).float().mean().item() if clipped else None,
-            "syncs": syncs, "wall_s": train_s, "sample_s": source.sample_s}
+            "syncs": syncs, "wall_s": train_s, "sample_s": source.sample_s,
+            "losses": torch.stack(losses).float().tolist()}  # one host sync, after training
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -339,7 +350,8 @@ def verdict(best, objective):
 
 def print_table(best, info, out):
     print(f"\nhumanline demo: {info['objective']}, {info['steps']} steps x {info['batch']} sequences, "
-          f"{info['seeds']} seeds, learning rates {', '.join(f'{x:g}' for x in info['lrs'])}, device={info['device']}; "
+          f"{info['seeds']} seeds, learning rates {', '.join(f'{x:g}' for x in info['lrs'])}, device={info['device']}"
+          + (f" ({info['cpu']})" if info.get("cpu") else "") + "; "
           f"clip [{info['clip'].log_eps_p}, {info['clip'].log_eps_r}], sync every {info['sync_every']}"
           + (f", offline samples redrawn every {info['resample_every']} steps" if info["objective"] == "grpo" else "")
           + f"; setup {info['setup_s']:.1f}s, total {info['total_s']:.1f}s with {info['workers']} process(es)",
@@ -396,8 +408,11 @@ def _workers(asked, device, jobs):
         return max(1, min(asked, jobs))
     if device != "cpu":
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, 4, jobs))
+    return max(1, min(_cores(), 4, jobs))
+
+
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _worker_init(threads):
@@ -429,7 +444,7 @@ def _run_pool(grid, start, pool, common, workers, bar):
 
 def run(objective="dpo", steps=60, seeds=3, lrs=DEFAULT_LRS, seed=0, device="auto", batch=16, sft_steps=100,
         eval_n=256, clip=None, sync_every=None, resample_every=10, plot_path=None, workers=None, quiet=False,
-        out=sys.stdout):
+        out=sys.stdout, pool_prompts=512):
     """Run the three arms over the learning-rate grid and seeds; print the table and verdict; return the numbers."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -446,20 +461,22 @@ def run(objective="dpo", steps=60, seeds=3, lrs=DEFAULT_LRS, seed=0, device="aut
         torch.set_num_threads(1)  # tiny models: one thread per process is faster (see _workers)
     try:
         return _run(objective, steps, seeds, lrs, seed, device, batch, sft_steps, eval_n, clip, sync_every,
-                    resample_every, plot_path, workers, quiet, out, tqdm)
+                    resample_every, plot_path, workers, quiet, out, tqdm, pool_prompts)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(objective, steps, seeds, lrs, seed, device, batch, sft_steps, eval_n, clip, sync_every, resample_every,
-         plot_path, workers, quiet, out, tqdm):
+         plot_path, workers, quiet, out, tqdm, pool_prompts):
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
     behaviour = fit_sft(_make_model(seed + 1, device), sft_steps, gen, device, p_rule=0.3, p_whole=0.5)
     start = fit_sft(_make_model(seed + 2, device), sft_steps, gen, device, p_rule=0.6)
-    pool = offline_pool(behaviour, 512, gen, device) if objective != "grpo" else None
-    info = {"objective": objective, "steps": steps, "batch": batch, "seeds": seeds, "lrs": list(lrs),
-            "device": device, "clip": clip, "sync_every": sync_every, "resample_every": resample_every,
+    pool = offline_pool(behaviour, pool_prompts, gen, device) if objective != "grpo" else None
+    info = {"objective": objective, "steps": steps, "batch": batch, "seeds": seeds, "lrs": list(lrs), "seed": seed,
+            "sft_steps": sft_steps, "eval_n": eval_n, "device": device,
+            "cpu": cpu_capability() if device == "cpu" else None, "clip": clip, "sync_every": sync_every,
+            "resample_every": resample_every,
             "behaviour": rule_rate(behaviour, torch.Generator().manual_seed(seed), device, eval_n),
             "start": rule_rate(start, torch.Generator().manual_seed(seed), device, eval_n)}
     info["setup_s"] = time.perf_counter() - t0
@@ -484,6 +501,205 @@ def _run(objective, steps, seeds, lrs, seed, device, batch, sft_steps, eval_n, c
     if shown:
         print(shown, file=out)
     return {"best": best, "runs": runs, "info": info, "verdict": line}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the record that README's table is written from (--save), its markdown (--markdown), and the canary
+
+OBJECTIVES = ("dpo", "kto", "grpo")
+# settings whose values change what a run measures (flags such as --workers, --plot or --quiet do not)
+SETTINGS = ("steps", "seeds", "lrs", "seed", "batch", "sync_every", "resample_every", "sft_steps", "eval_n",
+            "log_eps_p", "log_eps_r")
+# environment variables that change the rounding of a CPU run, and so its numbers: the 60-step runs amplify
+# round-off (README's table records a run with ATEN_CPU_CAPABILITY=avx2 on an AVX512 CPU beside the native one)
+NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "TRITON_INTERPRET")
+# the canary: a tiny run of every objective whose per-step losses fingerprint the numerics behind the table, run
+# with the CPU's rounding pinned (ATen's scalar kernels, MKL's reproducible mode) so that another x86 CPU gives
+# the same bits; seconds, where the table's runs take minutes
+CANARY = dict(steps=3, seeds=2, lrs=(3e-3,), sft_steps=3, eval_n=16, batch=8, sync_every=1, resample_every=2,
+              pool_prompts=32)
+CANARY_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "TRITON_INTERPRET": "0",
+              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+ROW_HEADER = ("objective", "offline", "offline+humanline", "online", "humanline vs online (wall time)",
+              "humanline vs offline")
+
+
+def cpu_capability():
+    """The vector instruction set ATen dispatches to on this CPU (AVX512, AVX2, DEFAULT ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def canary():
+    """A tiny run of each objective (``CANARY``), in this process: every arm's per-step losses, held-out and reported
+    rule rates and clamped fraction, per learning rate and seed. It goes through everything the table's numbers
+    come from (data, training, the package's losses and syncer, evaluation), so a change to any of it shows."""
+    import io
+    out = {}
+    for objective in OBJECTIVES:
+        res = run(objective, **CANARY, device="cpu", workers=1, quiet=True, out=io.StringIO())
+        out[objective] = {f"{r['arm']} lr {r['lr']:g} seed {r['seed']}": {k: r[k] for k in ("losses", "heldout",
+                                                                                           "report", "clip_frac")}
+                          for r in res["runs"]}
+    return out
+
+
+def canary_subprocess():
+    """:func:`canary` in a fresh interpreter under ``CANARY_ENV`` (the pinned rounding must be set before torch
+    starts), from this copy of the package."""
+    import json
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, **CANARY_ENV,
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, "-c", "import json; from humanline_kernels import demo; "
+                        "print(json.dumps(demo.canary()))"], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=600)
+    if p.returncode:
+        raise RuntimeError(f"the demo's canary run failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _git_commit():
+    """(commit, dirty) of the checkout this module runs from, or (None, None) outside a git checkout."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=root,
+                              timeout=30)
+        if head.returncode:
+            return None, None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=root, timeout=30)
+        return head.stdout.strip(), bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def entry(result, flags):
+    """One run of one objective as the record keeps it: what was run (the flags that change numbers, the
+    environment that changes rounding), where, and what it measured per arm."""
+    import platform
+
+    import transformers
+
+    info = result["info"]
+    commit, dirty = _git_commit()
+    arms = {arm: {k: b[k] for k in ("rule_rate", "se", "heldout", "clip_frac", "syncs", "wall_s", "sample_s", "lr")}
+            for arm, b in result["best"].items()}
+    return {"objective": info["objective"], "flags": list(flags),
+            "env": {k: os.environ[k] for k in NUMERIC_ENV if k in os.environ},
+            "settings": {**{k: info[k] for k in ("steps", "seeds", "lrs", "seed", "batch", "sync_every",
+                                                  "resample_every", "sft_steps", "eval_n")},
+                         "clip": [info["clip"].log_eps_p, info["clip"].log_eps_r]},
+            "machine": {"device": info["device"], "cpu_capability": info["cpu"], "processes": info["workers"],
+                        "cores": _cores(), "torch": torch.__version__, "transformers": transformers.__version__,
+                        "python": platform.python_version()},
+            "commit": commit, "dirty": dirty, "behaviour": info["behaviour"], "start": info["start"],
+            "setup_s": info["setup_s"], "total_s": info["total_s"], "arms": arms, "verdict": result["verdict"]}
+
+
+def _key(e):
+    return e["objective"], tuple(e["flags"]), tuple(sorted(e["env"].items()))
+
+
+def save(path, entries):
+    """Merge ``entries`` into the JSON record at ``path`` (an entry of the same objective, flags and environment
+    is replaced), with a fresh canary (:func:`canary_subprocess`); returns the record."""
+    import json
+    record = {"runs": []}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    new = {_key(e) for e in entries}
+    runs = [e for e in record["runs"] if _key(e) not in new] + list(entries)
+    order = {o: i for i, o in enumerate(OBJECTIVES)}
+    runs.sort(key=lambda e: (bool(e["flags"] or e["env"]), order[e["objective"]], e["flags"], sorted(e["env"])))
+    record = {"what": "python -m humanline_kernels.demo --save: README's demo table is written from this file "
+                      "(python -m bench report --readme)",
+              "canary_env": CANARY_ENV, "canary_settings": {**CANARY, "lrs": list(
+                  CANARY["lrs"])}, "canary": canary_subprocess(), "runs": runs}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    return record
+
+
+def _versus(a, b):
+    """``a``'s rule rate against ``b``'s in standard errors of the difference, as the verdict words it."""
+    diff, se = a["rule_rate"] - b["rule_rate"], math.hypot(a["se"], b["se"])
+    if not se > 0:
+        return "equal" if diff == 0 else ("above" if diff > 0 else "below")
+    if abs(diff) <= se:
+        return "within 1 s.e."
+    return f"{abs(diff) / se:.1f} s.e. {'above' if diff > 0 else 'below'}"
+
+
+def _label(e):
+    name = e["objective"].upper()
+    if e["objective"] == "grpo":
+        name += f" (offline: resampled every {e['settings']['resample_every']} steps)"
+    return name
+
+
+def _run_label(e):
+    parts = [f"`{' '.join(e['flags'])}`"] if e["flags"] else []
+    parts += [f"`{k}={v}`" for k, v in sorted(e["env"].items())]
+    return ", ".join(parts) + (f" ({e['machine']['cpu_capability']})" if e["machine"]["cpu_capability"] else "")
+
+
+def markdown_table(entries):
+    """README's markdown table of these runs: a row per run, the rule rates (mean +- s.e.) of the three arms and
+    humanline against online (and its wall-time ratio) and against plain offline; a ``run`` column when any run
+    has flags or an environment of its own."""
+    with_run = any(e["flags"] or e["env"] for e in entries)
+    head = list(ROW_HEADER)
+    if with_run:
+        head.insert(1, "run")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in entries:
+        a = e["arms"]
+        hl, on = a["offline+humanline"], a["online"]
+        speed = on["wall_s"] / hl["wall_s"] if hl["wall_s"] > 0 else float("inf")
+        pace = f"{speed:.1f}x faster" if speed >= 1 else f"{1 / speed:.1f}x slower"
+        cells = [_label(e)] + ([_run_label(e)] if with_run else [])
+        cells += [f"{a[arm]['rule_rate']:.3f} +- {a[arm]['se']:.3f}" for arm in ARMS]
+        cells += [f"{_versus(hl, on)}, {pace}", _versus(hl, a["offline"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def readme_block(record, record_path, root):
+    """README's demo section between its markers: the run's settings and machine, the table of the default runs,
+    the table of the other runs, the DPO plot when it is beside the record (``record_path`` as README names it,
+    relative to the project's ``root``)."""
+    main = [e for e in record["runs"] if not e["flags"] and not e["env"]]
+    other = [e for e in record["runs"] if e["flags"] or e["env"]]
+    out = []
+    if main:
+        first = main[0]
+        s, m = first["settings"], first["machine"]
+        where = (f"{m['device'].upper()}" + (f" {m['cpu_capability']}" if m["cpu_capability"] else "")
+                 + f", {m['cores']} cores, {m['processes']} processes, torch {m['torch']}, transformers "
+                 f"{m['transformers']}")
+        commit = f"at commit {first['commit']}" + (" with local changes" if first["dirty"] else "") \
+            if first["commit"] else "outside a git checkout"
+        same = all(e["machine"] == m and e["commit"] == first["commit"] for e in main)
+        lrs = ", ".join(f"{x:g}" for x in s["lrs"])
+        out.append(
+            f"What the default run measured (`python -m humanline_kernels.demo --objective all --save "
+            f"{record_path}`; {where}; {commit}{'' if same else ' (some rows elsewhere: see the record)'}; "
+            f"{s['steps']} steps x {s['batch']} sequences, learning rates {lrs}, {s['seeds']} seeds; rule rate of "
+            f"the policy's own samples on the reported prompts, mean +- s.e.; the starting policy is at "
+            f"{first['start']:.3f}, the behaviour model that wrote the offline data at {first['behaviour']:.3f}):")
+        out += ["", markdown_table(main)]
+    if other:
+        out += ["", "Other runs in the same record (the flags or environment shown, everything else the default):",
+                "", markdown_table(other)]
+    png = os.path.join(os.path.dirname(record_path), "demo-dpo.png")
+    if os.path.exists(os.path.join(root, png)):
+        out += ["", f"![DPO: rule rate over training, each arm at its best learning rate]({png})"]
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -519,10 +735,11 @@ def _lr_grid(text):
     return tuple(sorted(set(values)))
 
 
-def main(argv=None):
+def _parser():
     p = argparse.ArgumentParser(prog="python -m humanline_kernels.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--objective", choices=["dpo", "kto", "grpo"], default="dpo", help="the loss to train")
+    p.add_argument("--objective", choices=[*OBJECTIVES, "all"], default="dpo",
+                   help="the loss to train (all: the three in turn)")
     p.add_argument("--steps", type=_int_at_least(1), default=60, help="optimizer steps per run")
     p.add_argument("--seeds", type=_int_at_least(2), default=3, help="seeds per arm and learning rate")
     p.add_argument("--lrs", type=_lr_grid, default=DEFAULT_LRS, help="learning-rate grid, comma-separated, "
@@ -542,29 +759,63 @@ def main(argv=None):
     p.add_argument("--eval-n", type=_int_at_least(16), default=256, help="samples per rule-rate evaluation")
     p.add_argument("--log-eps-p", type=float, default=-1.5, help="lower end of the clip band")
     p.add_argument("--log-eps-r", type=float, default=1.5, help="upper end of the clip band")
-    p.add_argument("--plot", default="humanline-demo-{objective}.png", metavar="PATH",
-                   help="where the plot of rule rate over steps is written")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="where the plot of rule rate over steps is written ({objective} is substituted; default: "
+                   "humanline-demo-{objective}.png, with --save demo-{objective}.png beside the record)")
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument("--workers", type=_int_at_least(1), default=None,
                    help="processes for the runs of the grid (default: one per core up to 4 on CPU, 1 on CUDA)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--markdown", action="store_true",
+                   help="after the run, print README's markdown table rows for it (the format README's demo table "
+                   "has)")
+    p.add_argument("--save", metavar="PATH", default=None,
+                   help="merge this run into the JSON record at PATH (README's demo table is written from it by "
+                   "python -m bench report --readme), with a canary run (seconds) that CI repeats")
+    return p
+
+
+def main(argv=None):
+    p = _parser()
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
     if not (a.log_eps_p <= a.log_eps_r) or any(v != v or abs(v) == float("inf") for v in (a.log_eps_p, a.log_eps_r)):
         p.error(f"the clip band must be finite with --log-eps-p <= --log-eps-r, got [{a.log_eps_p}, {a.log_eps_r}]")
-    if a.objective in ("dpo", "kto") and a.batch % 2:
-        p.error(f"--batch must be even for {a.objective} (chosen/desirable and rejected/undesirable rows), "
-                f"got {a.batch}")
-    if a.objective == "grpo" and a.batch % GROUP:
+    objectives = OBJECTIVES if a.objective == "all" else (a.objective,)
+    if a.batch % 2 and set(objectives) & {"dpo", "kto"}:
+        p.error(f"--batch must be even for {'dpo and kto' if a.objective == 'all' else a.objective} "
+                f"(chosen/desirable and rejected/undesirable rows), got {a.batch}")
+    if "grpo" in objectives and a.batch % GROUP:
         p.error(f"--batch must be a multiple of the group size {GROUP} for grpo, got {a.batch}")
+    plot = a.plot or (os.path.join(os.path.dirname(a.save), "demo-{objective}.png") if a.save
+                      else "humanline-demo-{objective}.png")
     try:
-        plot_path = None if a.no_plot else a.plot.format(objective=a.objective)
+        plot.format(objective="dpo")
     except (KeyError, IndexError, ValueError):
         p.error(f"--plot: only {{objective}} may be substituted in the path, got {a.plot!r}")
-    run(a.objective, a.steps, a.seeds, a.lrs, a.seed, a.device, a.batch, a.sft_steps, a.eval_n,
-        clip=hk.HumanlineClip(a.log_eps_p, a.log_eps_r), sync_every=a.sync_every, resample_every=a.resample_every,
-        plot_path=plot_path, workers=a.workers, quiet=a.quiet)
+    if a.save and os.path.isdir(a.save):
+        p.error(f"--save: {a.save!r} is a directory; give the record's file name (e.g. {a.save}/demo.json)")
+    defaults = p.parse_args([])
+    flags = []
+    for k in SETTINGS:  # the flags that change what is measured, as the record and README's table show them
+        v, d = getattr(a, k), getattr(defaults, k)
+        if v != d:
+            flags += ["--" + k.replace("_", "-"), ",".join(f"{x:g}" for x in v) if k == "lrs" else f"{v:g}"]
+    entries = []
+    for objective in objectives:
+        res = run(objective, a.steps, a.seeds, a.lrs, a.seed, a.device, a.batch, a.sft_steps, a.eval_n,
+                  clip=hk.HumanlineClip(a.log_eps_p, a.log_eps_r), sync_every=a.sync_every,
+                  resample_every=a.resample_every, plot_path=None if a.no_plot else plot.format(objective=objective),
+                  workers=a.workers, quiet=a.quiet)
+        entries.append(entry(res, flags))
+    if a.save:
+        if not a.quiet:
+            print("canary run for the record (a tiny run of every objective) ...", flush=True)
+        save(a.save, entries)
+        print(f"record: {a.save}")
+    if a.markdown:
+        print("\n" + markdown_table(entries))
     return 0
 
 
