@@ -11,7 +11,8 @@ from .fused import token_logprobs
 
 __version__ = "0.1.0"
 __all__ = ["HumanlineClip", "Packed", "token_logprobs", "reference", "losses", "fused", "fused_linear",
-           "ReferenceSyncer", "LookaheadReference", "reference_adapter", "integrations", "__version__"]
+           "ReferenceSyncer", "LookaheadReference", "reference_adapter",
+           "save_humanline_state", "load_humanline_state", "integrations", "__version__"]
 
 
 def __getattr__(name):
@@ -22,6 +23,9 @@ def __getattr__(name):
     if name == "reference_adapter":
         from .sync._adapters import reference_adapter
         return reference_adapter
+    if name in ("save_humanline_state", "load_humanline_state"):
+        from .sync import _state
+        return getattr(_state, name)
     if name == "LookaheadReference":
         from .sync._lookahead import LookaheadReference
         return LookaheadReference

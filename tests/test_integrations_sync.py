@@ -140,7 +140,7 @@ def test_configs_take_output_dir_positionally():
         assert c.output_dir == "out-dir" and c.humanline is True and c.fused == "linear", cls
 
 
-def test_callback_standalone():
+def test_callback_standalone(tmp_path):
     from types import SimpleNamespace as NS
 
     from humanline_kernels.integrations.transformers import HumanlineSyncCallback
@@ -153,8 +153,14 @@ def test_callback_standalone():
         cb.on_train_begin(NS(), NS(global_step=0), None, model=pol)
     with pytest.raises(ValueError, match="DeepSpeed"):
         cb.on_train_begin(NS(deepspeed_plugin=object()), NS(global_step=0), None, model=pol, ref_model=ref)
-    # reference through the event keyword (TRL's CallbackHandlerWithRefModel pattern); resume at global step 3
-    cb.on_train_begin(NS(), NS(global_step=3), None, model=pol, ref_model=ref)
+    # reference through the event keyword (TRL's CallbackHandlerWithRefModel pattern); resume at global step 3 from
+    # the humanline state of a checkpoint in output_dir/checkpoint-3 (resume_from_checkpoint=True)
+    cb.on_train_begin(NS(), NS(global_step=0), None, model=pol, ref_model=ref)
+    cb.syncer.load_state_dict({"step": 3})  # (three steps trained)
+    cb.save_state(tmp_path / "checkpoint-3", NS(global_step=3))
+    cb.on_train_begin(NS(output_dir=str(tmp_path)), NS(global_step=3, log_history=[]), None, model=pol,
+                      ref_model=ref)
+    assert cb.syncer.step == 3
     before = ref.weight.detach().clone()
     cb.on_step_begin(None, None, None)
     cb.on_pre_optimizer_step(None, None, None)  # step 3: 3 % 2 != 0, no sync

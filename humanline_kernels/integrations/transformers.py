@@ -10,8 +10,11 @@ the update: that gives reference == policy and is not humanline.
 How the callback reaches the reference: callback events carry the policy (``model``) but not the reference, so
 pass it to the constructor (``HumanlineSyncCallback(every=k, ref_model=trainer.ref_model)``) or use a callback
 handler that adds ``ref_model=`` to every event, as TRL's experimental ``CallbackHandlerWithRefModel`` does. The
-syncer is built at ``on_train_begin``, after accelerate has wrapped the models (DDP / FSDP), and its step
-counter starts at ``state.global_step`` (so resuming from a checkpoint keeps the sync phase).
+syncer is built at ``on_train_begin``, after accelerate has wrapped the models (DDP / FSDP).
+
+Resume: every checkpoint gets the humanline state (the reference as of the last sync, the schedule), written
+just before the trainer's own files, and a resumed run restores it in ``on_train_begin``, so it trains exactly as
+the run that never stopped (:mod:`humanline_kernels.sync._state`).
 
 Overlap: a trainer that knows when its last reference forward of the step is done calls
 :meth:`HumanlineSyncCallback.reference_done`; the copy then runs on a side CUDA stream during the policy's
@@ -28,11 +31,12 @@ policy computes the reference log-probs of the coming steps' micro-batches, whic
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
 __all__ = ["HumanlineSyncCallback", "LookaheadTrainerMixin"]
 
@@ -47,19 +51,40 @@ class HumanlineSyncCallback(TrainerCallback):
         overlap: let the copy run on a side CUDA stream (when :meth:`reference_done` is called).
         adapters: ``(train, reference)`` adapter names when the policy is a PEFT model whose reference is a frozen
             second adapter (:meth:`humanline_kernels.ReferenceSyncer.for_adapters`); then no reference model.
+        save_reference: write the reference's weights into every checkpoint (``humanline_state.json`` and
+            ``humanline_reference*.safetensors`` in ``checkpoint-N/``), so that a resumed run trains exactly as the
+            uninterrupted one. ``False`` saves the schedule only: a resume then starts the reference from the
+            resumed policy, with a warning.
+        resume_from: the checkpoint folder a resumed run continues from, when it is not
+            ``output_dir/checkpoint-<global_step>`` (nor ``args.resume_from_checkpoint``); the humanline TRL
+            trainers set it themselves.
+
+    Resume (docs/integrations.md): the state is saved when the trainer is about to save a checkpoint (the step's
+    or epoch's end, where ``control.should_save`` is set; ``on_save`` as the fallback for a save decided later)
+    into ``output_dir/checkpoint-<global_step>``, and restored in ``on_train_begin`` when the run resumes
+    (``state.global_step > 0``): the reference's weights, the step counter and ``num_syncs``, checked first.
+    A checkpoint without humanline state is refused, except one written by a stock run (no humanline metric in
+    its log history): humanline then starts at the resumed step with the reference as built, with a warning.
     """
 
-    def __init__(self, every: int = 1, ref_model=None, overlap: bool = True, adapters=None):
+    def __init__(self, every: int = 1, ref_model=None, overlap: bool = True, adapters=None, save_reference=True,
+                 resume_from=None):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
+        if not isinstance(save_reference, bool):
+            raise ValueError(f"save_reference must be a bool, got {save_reference!r}")
         self.every = every
         self.ref_model = ref_model
         self.adapters = adapters  # (train, reference) adapter names of a PEFT policy: no reference model
         self.overlap = bool(overlap)
+        self.save_reference = save_reference
+        self.resume_from = resume_from
         self.syncer = None
         self.num_syncs = 0          # optimizer steps that synced, for logging and tests
         self.last_synced = False    # whether the latest optimizer step synced
         self._allow_deepspeed = False  # set by trainers that sync before the backward
+        self._owner_saves = False   # set by trainers that save the state themselves (before their checkpoint)
+        self._saved_step = None     # global step whose checkpoint got the state
         self._waited = False        # reference_done(blocking=True) already completed this step
 
     # -- set up ------------------------------------------------------------------------------------------------
@@ -69,28 +94,83 @@ class HumanlineSyncCallback(TrainerCallback):
                 "HumanlineSyncCallback cannot sync before the update under DeepSpeed: accelerate runs the DeepSpeed "
                 "optimizer step inside accelerator.backward, before on_pre_optimizer_step. Use the humanline TRL "
                 "trainers (humanline_kernels.integrations.trl), which sync before the backward.")
-        if self.adapters is not None:
-            if model is None:
-                raise ValueError("HumanlineSyncCallback: the trainer passed no model to on_train_begin")
-            from .. import ReferenceSyncer
-            train, ref_name = self.adapters
-            self.syncer = ReferenceSyncer.for_adapters(_unwrap(model), train=train, reference=ref_name,
-                                                       every=self.every, overlap=self.overlap)
-            self.syncer.load_state_dict({"step": int(state.global_step)})
-            self._waited = False
-            return
-        reference = self.ref_model if self.ref_model is not None else ref_model
-        if reference is None:
-            raise ValueError(
-                "HumanlineSyncCallback needs the reference model: pass HumanlineSyncCallback(ref_model=...) or use a "
-                "callback handler that passes ref_model= to the events")
         if model is None:
             raise ValueError("HumanlineSyncCallback: the trainer passed no model to on_train_begin")
         from .. import ReferenceSyncer
-
-        self.syncer = ReferenceSyncer(_unwrap(model), _unwrap(reference), every=self.every, overlap=self.overlap)
-        self.syncer.load_state_dict({"step": int(state.global_step)})
+        if self.adapters is not None:
+            train, ref_name = self.adapters
+            self.syncer = ReferenceSyncer.for_adapters(_unwrap(model), train=train, reference=ref_name,
+                                                       every=self.every, overlap=self.overlap)
+        else:
+            reference = self.ref_model if self.ref_model is not None else ref_model
+            if reference is None:
+                raise ValueError(
+                    "HumanlineSyncCallback needs the reference model: pass HumanlineSyncCallback(ref_model=...) or use "
+                    "a callback handler that passes ref_model= to the events")
+            self.syncer = ReferenceSyncer(_unwrap(model), _unwrap(reference), every=self.every, overlap=self.overlap)
         self._waited = False
+        self.num_syncs, self._saved_step = 0, None
+        if state.global_step > 0:
+            self._resume(args, state)
+
+    def _resume(self, args, state):
+        from ..sync._state import MissingHumanlineState, read_humanline_state
+        folder = self._resume_folder(args, state)
+        try:
+            loaded = read_humanline_state(folder, syncer=self.syncer)
+        except MissingHumanlineState as e:
+            if any("humanline/num_syncs" in log for log in state.log_history):  # (logged with syncing on only)
+                raise ValueError(f"HumanlineSyncCallback: {e}; its log history shows a humanline run, whose "
+                                 "reference as of its last sync cannot be rebuilt: resuming would train against "
+                                 "another reference") from None
+            warnings.warn(f"HumanlineSyncCallback: {e}. Resuming a stock run with humanline: syncing starts at step "
+                          f"{state.global_step} (the first sync at the next multiple of every={self.every}) with the "
+                          "reference as built (the initial model)", UserWarning, stacklevel=2)
+            self.syncer.load_state_dict({"step": int(state.global_step)})
+            return
+        saved_step = loaded.extra.get("global_step")
+        if saved_step != state.global_step:
+            raise ValueError(f"HumanlineSyncCallback: {folder} holds the humanline state of global step "
+                             f"{saved_step}, the run resumes at step {state.global_step}")
+        loaded.apply()
+        self.num_syncs = int(loaded.extra.get("num_syncs", 0))
+
+    def _resume_folder(self, args, state):
+        candidates = [self.resume_from, getattr(args, "resume_from_checkpoint", None),
+                      os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")]
+        for c in candidates:
+            if isinstance(c, (str, os.PathLike)) and os.path.isdir(c):
+                return os.fspath(c)
+        raise ValueError(
+            f"HumanlineSyncCallback: the run resumes at global step {state.global_step}, but its checkpoint folder "
+            f"is not {candidates[-1]}; pass HumanlineSyncCallback(resume_from=<the checkpoint folder>)")
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def save_state(self, folder, state) -> None:
+        """Write the humanline state (reference weights, schedule, ``num_syncs``) into ``folder``, on every rank."""
+        from ..sync._state import save_humanline_state
+        if self.syncer is None:
+            raise RuntimeError("HumanlineSyncCallback.save_state before on_train_begin")
+        save_humanline_state(folder, syncer=self.syncer, save_reference=self.save_reference,
+                             extra={"global_step": int(state.global_step), "num_syncs": self.num_syncs})
+        self._saved_step = state.global_step
+
+    def _save_if_due(self, args, state, control):
+        # before the trainer writes checkpoint-N (and, with save_total_limit, deletes older ones): a process killed
+        # meanwhile leaves the previous checkpoint whole
+        if control.should_save and not self._owner_saves and self._saved_step != state.global_step:
+            self.save_state(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"), state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._save_if_due(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._save_if_due(args, state, control)
+
+    def on_save(self, args, state, control, **kwargs):
+        # a save decided after on_step_end (save_strategy="best"): written after the trainer's own files
+        if not self._owner_saves and self._saved_step != state.global_step:
+            self.save_state(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"), state)
 
     # -- per step ----------------------------------------------------------------------------------------------
     def reference_done(self, blocking: bool = False) -> None:
@@ -146,10 +226,10 @@ class LookaheadTrainerMixin:
     Set ``self.hk_lookahead = True`` and ``self.hk_sync_every = k`` in ``__init__`` and define
     ``_hk_reference_of(self, policy, inputs)``: the per-token reference log-probs of one micro-batch, computed by
     ``policy`` (in eval mode, no grad); ``compute_loss`` then finds them as ``inputs["hk_ref_logps"]``
-    (:meth:`_hk_lookahead_refs`). The training data must have a length, the training loop must be transformers 5's
-    (it is followed step by step), and a run cannot resume from a checkpoint (the window's reference log-probs came
-    from a policy that no longer exists); each is refused with the reason. ``hk_la_syncs`` counts the windows
-    computed so far.
+    (:meth:`_hk_lookahead_refs`). The training data must have a length and the training loop must be transformers
+    5's (it is followed step by step); each is refused with the reason. ``hk_la_syncs`` counts the windows computed
+    so far. Resume: a checkpoint written with :meth:`_hk_save_lookahead` holds the window's reference log-probs
+    (they came from a policy that no longer exists), restored when the lookahead is built again.
     """
 
     hk_lookahead = False
@@ -191,15 +271,41 @@ class LookaheadTrainerMixin:
         return values
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        if self.hk_lookahead and resume_from_checkpoint is not None:
+        if self.hk_lookahead and resume_from_checkpoint is not None and self.args.ignore_data_skip:
             raise ValueError(
-                f"{type(self).__name__}: resume_from_checkpoint is not supported with humanline_reference="
-                "'lookahead' (the checkpoint lacks the reference log-probs already computed for the coming steps, "
-                "from a policy that no longer exists); train from the start or use humanline_reference='sync'")
+                f"{type(self).__name__}: resume_from_checkpoint with ignore_data_skip=True and humanline_reference="
+                "'lookahead': the checkpoint's reference log-probs belong to the batches the run would have trained "
+                "on next, which ignore_data_skip does not give it; set ignore_data_skip=False")
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         self._hk_train_dataloader, self.hk_la, self.hk_la_syncs = train_dataloader, None, 0
         self._hk_loop_iterator = self._hk_loop_epoch = None
+        self._hk_resume_dir = resume_from_checkpoint  # the lookahead's state is restored when it is built
         return model, train_dataloader
+
+    def _hk_restore_lookahead(self, lookahead):
+        """On resume: the lookahead's saved state (its window, its position) into ``lookahead``; returns the number
+        of windows computed before the checkpoint (the ``humanline/num_syncs`` metric)."""
+        from ..sync._state import MissingHumanlineState, read_humanline_state
+        folder = getattr(self, "_hk_resume_dir", None)
+        if folder is None:
+            return 0
+        name = type(self).__name__
+        try:
+            loaded = read_humanline_state(folder, lookahead=lookahead)
+        except MissingHumanlineState as e:
+            raise ValueError(f"{name}: {e}. humanline_reference='lookahead' resumes only from its own checkpoints: "
+                             "the reference log-probs of the coming steps came from a policy that no longer "
+                             "exists") from None
+        if loaded.extra.get("global_step") != self.state.global_step:
+            raise ValueError(f"{name}: {folder} holds the humanline state of global step "
+                             f"{loaded.extra.get('global_step')}, the run resumes at step {self.state.global_step}")
+        loaded.apply()
+        return int(loaded.extra.get("num_syncs", 0))
+
+    def _hk_save_lookahead(self, folder, lookahead, num_syncs):
+        from ..sync._state import save_humanline_state
+        save_humanline_state(folder, lookahead=lookahead,
+                             extra={"global_step": int(self.state.global_step), "num_syncs": int(num_syncs)})
 
     def _run_epoch(self, *args, **kwargs):
         # the epoch the loop runs, to check that the lookahead's stream is in the same one
@@ -213,13 +319,16 @@ class LookaheadTrainerMixin:
         loop, accum = self._hk_loop, self.args.gradient_accumulation_steps
         remainder = loop["steps_in_epoch"] % accum or accum
         steps_left = loop["max_steps"] - self.state.global_step
-        epoch, iterator = int(self.state.epoch or 0), first_iterator
+        # a resumed run starts inside an epoch, where transformers' _init_training_state puts it (the epoch
+        # iterator it made skips the steps trained before the checkpoint)
+        epoch, start = divmod(self.state.global_step, loop["updates_per_epoch"])
+        iterator = first_iterator
         while steps_left > 0:
-            for update in range(loop["updates_per_epoch"]):
+            for update in range(start, loop["updates_per_epoch"]):
                 n = accum if update != loop["updates_per_epoch"] - 1 else remainder
                 # what Trainer.get_batch_samples draws (n micro-batches), without its num_items count: that may be
                 # a collective (average_tokens_across_devices); it is made for the step when it runs
-                batches = _StepBatches(wanted=n, epoch=epoch, first=update == 0)
+                batches = _StepBatches(wanted=n, epoch=epoch, first=update == start)
                 for _ in range(n):
                     mb = self._hk_draw(iterator, batches)
                     if mb is _END:
@@ -229,7 +338,7 @@ class LookaheadTrainerMixin:
                 steps_left -= 1
                 if steps_left == 0:
                     return
-            epoch += 1
+            epoch, start = epoch + 1, 0
             if epoch >= loop["epochs"]:
                 return
             loader = self._hk_train_dataloader
@@ -276,6 +385,7 @@ class LookaheadTrainerMixin:
             from ..sync._lookahead import LookaheadReference
             self.hk_la = LookaheadReference(self.model, self._hk_step_batches(epoch_iterator),
                                             self._hk_reference_of, every=self.hk_sync_every)
+            self.hk_la_syncs = self._hk_restore_lookahead(self.hk_la)
         new_epoch = epoch_iterator is not self._hk_loop_iterator
         self._hk_loop_iterator = epoch_iterator
         try:

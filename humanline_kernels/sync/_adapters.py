@@ -107,6 +107,7 @@ class AdapterSyncer(ReferenceSyncer):
         pairs = Pairs("peft-adapters")
         for ref, src in _pairs(model, self.train_adapter, self.reference_adapter):
             pairs.add(ref, functools.partial(_data, params[ref]), functools.partial(_data, params[src]))
+            pairs.sharded |= hasattr(params[ref].data, "_local_tensor")  # FSDP2: the adapters are sharded too
         return pairs
 
     def __repr__(self) -> str:

@@ -35,12 +35,28 @@ class Pairs:
         self.backend = backend
         self.names: list[str] = []
         self.getters: list = []  # (get_dst, get_src, late)
+        self.transient: set[str] = set()  # pairs that are a view of other saved storage (ZeRO-3 gathered data)
+        self.sharded = backend in ("fsdp1", "fsdp2", "zero3")  # rank-local tensors differ between ranks
         self.prepare = prepare
         self.prepare_late = prepare_late
+        # drops every gathered / unsharded copy of the reference, so that its next forward reads the stored
+        # shards (run after they are written other than by a sync: a resume); FSDP1/2 set it to their prepare
+        self.release = None
 
-    def add(self, name, get_dst, get_src, buffer=False, late=False):
+    def add(self, name, get_dst, get_src, buffer=False, late=False, transient=False):
         self.names.append(name)
         self.getters.append((get_dst, get_src, bool(buffer or late)))
+        if transient:
+            self.transient.add(name)
+
+    def persistent(self):
+        """``[(name, reference tensor, policy tensor)]``: the rank-local storage that holds the reference (shards,
+        partitions, buffers), what a checkpoint of the humanline state saves; transient copies are left out."""
+        out = []
+        for name, (gd, gs, _) in zip(self.names, self.getters):
+            if name not in self.transient:
+                out.append((name, gd(), gs()))
+        return out
 
     def late_names(self) -> list[str]:
         return [n for n, (_, _, late) in zip(self.names, self.getters) if late]
@@ -236,7 +252,7 @@ def _collect_fsdp2(pairs, ref, pol):
     def prepare():
         for m in rmods:  # FSDPModule.reshard is not recursive: drop every stale unsharded copy
             m.reshard()
-    pairs.prepare = prepare
+    pairs.prepare = pairs.release = prepare
 
 
 def _collect_fsdp1(pairs, ref, pol):
@@ -281,7 +297,7 @@ def _collect_fsdp1(pairs, ref, pol):
             if fpp is not None and fpp.untyped_storage().size() > 0:
                 h.reshard(True)
                 h.post_reshard()
-    pairs.prepare = prepare
+    pairs.prepare = pairs.release = prepare
 
 
 def _zero3_full(p) -> bool:
@@ -319,7 +335,7 @@ def _collect_zero3(pairs, ref, pol):
         empty = r.ds_tensor.new_empty(0)
         both = lambda r=r, p=p: _zero3_full(r) and _zero3_held(p)  # noqa: E731
         pairs.add(name + "(gathered)", lambda r=r, b=both, e=empty: r.data if b() else e,
-                  lambda p=p, b=both, e=empty: p.data if b() else e, late=True)
+                  lambda p=p, b=both, e=empty: p.data if b() else e, late=True, transient=True)
         gathered.append((r, p))
     _add_named(pairs, ref, pol, "b")
 
@@ -333,7 +349,11 @@ def _collect_zero3(pairs, ref, pol):
         stale = [r for r, p in gathered if _zero3_held(r) and not _zero3_held(p)]
         if stale:
             stale[0].partition(param_list=stale, has_been_updated=False)  # frees .data, keeps ds_tensor
-    pairs.prepare, pairs.prepare_late = prepare, prepare_late
+    def release():
+        held = [r for r, _ in gathered if _zero3_full(r)]
+        if held:
+            held[0].partition(param_list=held, has_been_updated=False)
+    pairs.prepare, pairs.prepare_late, pairs.release = prepare, prepare_late, release
 
 
 _COLLECT = {"plain": _collect_plain, "ddp": _collect_plain, "zero": _collect_plain, "fsdp2": _collect_fsdp2,

@@ -18,6 +18,8 @@ the policy holds at the step.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -52,14 +54,21 @@ class ReferenceSyncer:
                  use_kernel: bool | None = None):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
+        for name, m in (("policy", policy), ("reference", reference)):
+            if not isinstance(m, nn.Module):
+                raise ValueError(f"{name} must be a torch.nn.Module (plain, DDP, FSDP or DeepSpeed-wrapped), got "
+                                 f"{type(m).__name__}")
         if policy is reference:
             raise ValueError("policy and reference must be different modules")
+        if use_kernel not in (None, True, False):
+            raise ValueError(f"use_kernel must be None, True or False, got {use_kernel!r}")
         self.policy, self.reference = policy, reference
         self.every = every
         self.overlap = bool(overlap)
         self.use_kernel = use_kernel
         self._step = 0
         self._started = False     # a copy was launched in the current step
+        self._aborted = False     # a step failed after its copy was launched: see abort()
         self._pairs = None        # backend pair set, collected lazily and re-collected on structural change
         self._streams: dict = {}  # device -> side stream
         self._done: dict = {}     # device -> event recorded on the side stream after the copy
@@ -75,6 +84,10 @@ class ReferenceSyncer:
         return self._step % self.every == 0
 
     def state_dict(self) -> dict:
+        """``{"step", "every"}``: the schedule. The reference's weights are not in it: a resume that must train as
+        the uninterrupted run saves them too, with :func:`humanline_kernels.save_humanline_state` (docs/sync.md,
+        "Resume"). Between steps only (not between ``start()`` and ``wait()``)."""
+        self._check_between_steps("state_dict()")
         return {"step": self._step, "every": self.every}
 
     def load_state_dict(self, state: dict) -> None:
@@ -82,18 +95,26 @@ class ReferenceSyncer:
 
         ``every`` stays what this syncer was built with: a saved ``every`` that differs only warns (so a run can
         be resumed with a new sync period on purpose; step t syncs when ``t % every == 0`` with the new one).
+        The reference's weights are restored by :func:`humanline_kernels.load_humanline_state`, not here.
         """
         if self._started:
             raise RuntimeError("load_state_dict() called between start() and wait()")
+        if not isinstance(state, Mapping) or "step" not in state:
+            raise ValueError(f"state must be a dict with 'step' (and 'every'), as state_dict() returns, got "
+                             f"{type(state).__name__}{'' if not isinstance(state, Mapping) else ' without step'}")
         step = state["step"]
-        if not isinstance(step, int) or step < 0:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"state['step'] must be a non-negative int, got {step!r}")
         saved_every = state.get("every")
+        if saved_every is not None and (not isinstance(saved_every, int) or isinstance(saved_every, bool)
+                                        or saved_every < 1):
+            raise ValueError(f"state['every'] must be a positive int, got {saved_every!r}")
         if saved_every is not None and saved_every != self.every:
             warnings.warn(f"ReferenceSyncer.load_state_dict: the state was saved with every={saved_every!r}, this "
                           f"syncer has every={self.every}; keeping every={self.every} (build the syncer with "
                           f"every={saved_every!r} to resume the saved schedule)", UserWarning, stacklevel=2)
         self._step = step
+        self._aborted = False
         self.refresh()
 
     def refresh(self) -> None:
@@ -106,6 +127,7 @@ class ReferenceSyncer:
 
         Returns whether this step syncs. A second call in the same step is a no-op (the policy has not changed).
         """
+        self._check_not_aborted()
         if not self.is_sync_step:
             return False
         if not self._started:
@@ -118,6 +140,7 @@ class ReferenceSyncer:
 
         Returns whether this step synced. Orders the current CUDA stream after the copy; no host synchronisation.
         """
+        self._check_not_aborted()
         synced = self.is_sync_step
         if synced:
             if self._started:
@@ -138,6 +161,54 @@ class ReferenceSyncer:
         """``start()`` + ``wait()``: the copy (on a sync step) is ordered before anything queued afterwards."""
         self.start()
         return self.wait()
+
+    def abort(self) -> bool:
+        """Call when a step failed (an exception) after ``start()`` and before ``wait()``. Returns whether the
+        reference was changed by that step.
+
+        The copy that ``start()`` launched is never half-applied: it is completed here (a stream-ordered sequence
+        of kernels on the side stream, finished on the current one), so the reference holds the whole policy of
+        the failed step, θ_t, while that step's loss needed θ_s, s the sync before it. Retrying the step in place
+        would therefore train against the wrong reference; so after a changed reference ``start()``, ``wait()``
+        and ``state_dict()`` raise until the state is restored from the last checkpoint
+        (:func:`humanline_kernels.load_humanline_state`, or ``load_state_dict`` after restoring the reference's
+        weights yourself). A failure before ``start()`` changed nothing: the step can be retried as it is.
+        """
+        if not self._started:
+            return False
+        for d, ev in self._done.items():
+            torch.cuda.current_stream(d).wait_event(ev)
+        self._done = {}
+        with torch.no_grad():  # the late pairs (buffers, ZeRO-3 gathered data) too: the reference is wholly θ_t
+            plan = self._plan(late=True)
+            for d in plan.devices():
+                plan.run(d)
+        self._started = False
+        self._aborted = True
+        return True
+
+    def copy_now(self) -> None:
+        """Copy the whole policy into the reference now, outside the schedule (the counter does not move): how a
+        resume without saved reference weights starts (``save_reference=False``)."""
+        self._check_between_steps("copy_now()")
+        self._launch(side=False)
+        with torch.no_grad():
+            plan = self._plan(late=True)
+            for d in plan.devices():
+                plan.run(d)
+
+    def _check_between_steps(self, what):
+        if self._started:
+            raise RuntimeError(f"ReferenceSyncer.{what} between start() and wait(): the reference is being "
+                               "replaced by this step's policy; call it between steps")
+        self._check_not_aborted()
+
+    def _check_not_aborted(self):
+        if self._aborted:
+            raise RuntimeError(
+                f"ReferenceSyncer: step {self._step} failed after its reference copy had started (abort()), so the "
+                "reference now holds that step's policy instead of the one its loss needs; restore the last "
+                "checkpoint (hk.load_humanline_state) before training on")
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _launch(self, side: bool) -> None:
@@ -167,6 +238,19 @@ class ReferenceSyncer:
 
     def _collect(self):
         return collect_pairs(self.policy, self.reference)
+
+    def _persistent_pairs(self) -> SimpleNamespace:
+        """The reference's rank-local storage, paired with the policy's (what a checkpoint saves): ``pairs`` (the
+        backend's Pairs), ``entries`` ``[(name, reference tensor, policy tensor)]``, ``backend``, ``sharded``."""
+        for _ in range(2):
+            if self._pairs is None:
+                self._pairs = self._collect()
+            entries = self._pairs.persistent()
+            if all(d is not None and s is not None and d.shape == s.shape for _, d, s in entries):
+                p = self._pairs
+                return SimpleNamespace(pairs=p, entries=entries, backend=p.backend, sharded=p.sharded)
+            self._pairs = None  # structure changed: re-collect once
+        raise RuntimeError("reference/policy parameter pairs changed while being collected")
 
     def _plan(self, late: bool) -> CopyPlan:
         if self._pairs is None:

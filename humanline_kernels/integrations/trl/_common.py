@@ -3,10 +3,12 @@ a PEFT reference adapter, or the lookahead), logging."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import NamedTuple, Optional
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
@@ -124,13 +126,40 @@ class HumanlineMixin(LookaheadTrainerMixin):
             unwrapped = self.accelerator.unwrap_model(self.model)
             train_adapter = unwrapped.active_adapter
             ensure_reference_adapter(unwrapped, train=train_adapter, reference=HK_REF_ADAPTER)
-            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, adapters=(train_adapter, HK_REF_ADAPTER))
-            self.hk_sync._allow_deepspeed = True
-            self.add_callback(self.hk_sync)
+            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, adapters=(train_adapter, HK_REF_ADAPTER),
+                                                 save_reference=self.hk_save_reference)
         elif self.hk_humanline:
-            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, ref_model=self.ref_model)
+            self.hk_sync = HumanlineSyncCallback(every=self.hk_sync_every, ref_model=self.ref_model,
+                                                 save_reference=self.hk_save_reference)
+        if self.hk_sync is not None:
             self.hk_sync._allow_deepspeed = True  # we sync before the backward under DeepSpeed (reference_done)
+            self.hk_sync._owner_saves = True      # _save_checkpoint writes the state, into the exact folder
             self.add_callback(self.hk_sync)
+
+    @property
+    def hk_save_reference(self):
+        return getattr(self.args, "save_reference", True)
+
+    # ------------------------------------------------------------------------------------------- resume
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        out = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.hk_sync is not None:  # restored by the callback in on_train_begin, which comes next
+            self.hk_sync.resume_from = resume_from_checkpoint
+        return out
+
+    def _save_checkpoint(self, model, trial):
+        # the humanline state first, then transformers' files (its trainer_state.json last, then the rotation of old
+        # checkpoints): a process killed while any of it is written leaves the previous checkpoint whole
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._hk_save_state(folder)
+        super()._save_checkpoint(model, trial)
+
+    def _hk_save_state(self, folder):
+        if self.hk_lookahead:
+            if self.hk_la is not None:
+                self._hk_save_lookahead(folder, self.hk_la, self.hk_la_syncs)
+        elif self.hk_sync is not None and self.hk_sync.syncer is not None:
+            self.hk_sync.save_state(folder, self.state)
 
     def _hk_reference_done(self, boundary_only=True):
         """After the step's last reference forward: start the copy (DeepSpeed: finish it before the backward)."""

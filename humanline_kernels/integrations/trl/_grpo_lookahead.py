@@ -50,6 +50,27 @@ class BufferLookahead:
         self.snapshot = None     # (sync step s, host copies of θ_s's trainable parameters) across a crossing
         self.windows = 0         # sync steps whose window was computed (the "humanline/num_syncs" metric)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint between optimizer steps needs: the log-probs computed ahead (none at a generation
+        boundary: they belong to the generation being trained on), θ_s's host copy when the window crosses into a
+        generation not sampled yet, and the window count."""
+        snapshot = None if self.snapshot is None else [self.snapshot[0], self.snapshot[1]]
+        return {"every": self.every, "refs": dict(self.refs), "snapshot": snapshot, "windows": self.windows}
+
+    def load_state_dict(self, state) -> None:
+        if state.get("every") != self.every:
+            raise ValueError(f"the lookahead state was saved with sync_every={state.get('every')}, this run has "
+                             f"{self.every}")
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.refs = {int(i): t.to(device) for i, t in state["refs"].items()}
+        snap = state["snapshot"]
+        if snap is not None:
+            s, values = snap
+            if [tuple(v.shape) for v in values] != [tuple(p.shape) for p in self.params]:
+                raise ValueError("the lookahead's saved parameters θ_s do not match this policy's trainable ones")
+            snap = (int(s), list(values))
+        self.snapshot, self.windows = snap, int(state["windows"])
+
     def reference(self, i, step, buffer, generated):
         """The reference log-probs of micro-step ``i`` (of optimizer step ``step``), called as TRL hands it out:
         ``buffer`` is TRL's buffer, ``generated`` whether this call sampled it. At the last micro-step of a sync

@@ -27,6 +27,9 @@ class _HumanlineFields:
     log_eps_r: float = _hk_field(1.5, "Upper end of the per-token log-ratio clip band (paper: 1.5).")
     sync_every: int = _hk_field(1, "Sync the reference from the policy every this many optimizer steps.")
     fused: str = _hk_field("linear", "Per-token log-probs: 'linear' (hidden+lm_head), 'logits' or 'off' (TRL's).")
+    save_reference: bool = _hk_field(
+        True, "Save the humanline state in every checkpoint with the reference's weights (False: the schedule only; "
+        "a resume then restarts the reference from the resumed policy, not exactly the uninterrupted run).")
     humanline_reference: str = _hk_field(
         "sync", "'sync': a reference model synced from the policy; 'lookahead': no reference model, the policy "
         "computes the reference log-probs of the coming steps' batches at each sync step (GRPO: from the generation "
@@ -47,6 +50,9 @@ def hk_settings(args):
     every = getattr(args, "sync_every", 1)
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ValueError(f"sync_every must be a positive int, got {every!r}")
+    save_reference = getattr(args, "save_reference", True)
+    if not isinstance(save_reference, bool):
+        raise ValueError(f"save_reference must be a bool, got {save_reference!r}")
     fused = getattr(args, "fused", "linear")
     if fused not in FUSED_MODES:
         raise ValueError(f"fused must be one of {FUSED_MODES}, got {fused!r}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 
 import torch
 from accelerate.utils import is_peft_model
@@ -178,10 +179,34 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
     def _hk_new_lookahead(self):
         policy = self.model
         trainable = [p for p in self.accelerator.unwrap_model(policy).parameters() if p.requires_grad]
-        return BufferLookahead(functools.partial(self._hk_policy_reference, policy), trainable,
-                               every=self.hk_sync_every, accum=self.args.gradient_accumulation_steps,
-                               steps_per_generation=self.args.steps_per_generation,
-                               num_iterations=self.num_iterations, max_steps=self.state.max_steps)
+        la = BufferLookahead(functools.partial(self._hk_policy_reference, policy), trainable,
+                             every=self.hk_sync_every, accum=self.args.gradient_accumulation_steps,
+                             steps_per_generation=self.args.steps_per_generation,
+                             num_iterations=self.num_iterations, max_steps=self.state.max_steps)
+        self._hk_restore_lookahead(la)
+        return la
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        out = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if resume_from_checkpoint is not None and self.hk_humanline:
+            # TRL does not checkpoint its generation buffer: a resumed run samples a new one at once (stock TRL
+            # too), so only a checkpoint at a generation boundary resumes the uninterrupted run
+            accum = self.args.gradient_accumulation_steps
+            span = self.args.steps_per_generation * self.num_iterations
+            micro = self.state.global_step * accum
+            if micro % span:
+                msg = (f"{type(self).__name__}: the checkpoint of step {self.state.global_step} is inside a generation "
+                       f"batch (one every {span // accum} optimizer steps); TRL does not checkpoint its generation "
+                       "buffer, so the resumed run samples a new one now and trains on other completions than the "
+                       "run that never stopped. Resume from a checkpoint at a generation boundary (save_steps a "
+                       f"multiple of {span // accum})")
+                if self.hk_lookahead:  # its saved reference log-probs belong to the lost buffer's completions
+                    raise ValueError(msg + " for humanline_reference='lookahead'")
+                warnings.warn(msg, UserWarning, stacklevel=2)
+            # TRL restarts its micro-step counter at 0; the generation schedule (every span micro-steps) and the
+            # lookahead's positions count from the run's start
+            self._step = micro
+        return out
 
     # --------------------------------------------------------------------------- reference log-probs
     def _hk_reference(self, inputs):
