@@ -7,6 +7,7 @@ equals the policy's training forward of that step exactly, the reference's full 
 partitions, and the gathered copy of persistent params) equal the policy's pre-step weights, non-sync steps
 leave the reference untouched (every=3), and differently wrapped models raise ValueError.
 """
+import os
 import sys
 
 import pytest
@@ -173,8 +174,37 @@ def gathered_copied_in_wait():
         assert torch.equal(r.data, want[n]), f"{n}: gathered data copied before wait()"
 
 
-def zero3_worker(rank, world):
+def zero3_resume(folder):
+    """hk.save_humanline_state writes each rank's partitions; loading them into a fresh, warm reference (persistent
+    params gathered) restores them and releases the stale gathered copies: its forward is the saved reference's."""
+    pol, ref = policy_engine(Net(0), 3), reference_engine(Net(1), 3)
+    syncer = hk.ReferenceSyncer(pol, ref, every=1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(4, 5, generator=g)
+        with torch.no_grad():
+            ref(x)
+        syncer.start()
+        pol.backward(pol(x).square().mean())
+        syncer.wait()
+        pol.step()
+    hk.save_humanline_state(folder, syncer=syncer)
+    assert sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) == [
+        "humanline_reference-rank00000-of-00002.safetensors", "humanline_reference-rank00001-of-00002.safetensors"]
+    fresh = reference_engine(Net(2), 3)
+    for _ in range(2):
+        with torch.no_grad():
+            fresh(torch.zeros(4, 5))  # persistent params now held gathered, with Net(2)'s values
+    hk.load_humanline_state(folder, syncer=hk.ReferenceSyncer(pol, fresh, every=1))
+    x = torch.randn(4, 5, generator=g)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), ref(x)), "the restored reference's forward differs from the saved one's"
+    assert same(full_weights(fresh), full_weights(ref))
+
+
+def zero3_worker(rank, world, folder):
     _init_ds()
+    zero3_resume(folder)
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3), tag="zero3")
     gathered_copied_in_wait()
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3), every=3, steps=7, warm=True,
@@ -202,5 +232,5 @@ def zero3_worker(rank, world):
     expect_mismatch(policy_engine(Net(0), 3), Net(1))
 
 
-def test_zero3():
-    run(zero3_worker)
+def test_zero3(tmp_path):
+    run(zero3_worker, str(tmp_path))
