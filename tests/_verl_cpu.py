@@ -29,7 +29,10 @@ def install_cpu_platform():
                                    is_available=lambda: True, manual_seed=torch.manual_seed,
                                    manual_seed_all=torch.manual_seed, set_device=nothing,
                                    mem_get_info=lambda *a: (1 << 34, 1 << 34), reset_peak_memory_stats=nothing,
-                                   get_device_name=lambda *a: "cpu")
+                                   get_device_name=lambda *a: "cpu",
+                                   # verl's checkpoint manager restores "the device's" RNG under the device name,
+                                   # which on this platform is the CPU's
+                                   get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state)
 
     class PlatformCPU(PlatformBase):
         device_name = property(lambda self: "cpu")

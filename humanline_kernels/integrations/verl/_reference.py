@@ -88,9 +88,30 @@ class HumanlineReference:
             self._last_sync = t
 
     def sync_now(self) -> None:
-        """Copy the actor into the reference now, outside the schedule (after loading a checkpoint)."""
+        """Copy the actor into the reference now, outside the schedule (a checkpoint without humanline state)."""
         if self.syncer is not None:
-            ReferenceSyncer(self.actor.engine.module, self.ref.engine.module).sync()
+            self.syncer.copy_now()
+
+    def save_state(self, folder) -> None:
+        """The reference's shards (one file per rank), the counter and the counts into ``folder``, on every rank,
+        between verl steps (:func:`humanline_kernels.save_humanline_state`). Nothing for ``reference='frozen'``:
+        verl rebuilds that reference from the model path."""
+        if self.syncer is None:
+            return
+        from ...sync._state import save_humanline_state
+        save_humanline_state(folder, syncer=self.syncer, extra={
+            "syncs": self.syncs, "last_sync": self._last_sync, "recomputed": self.recomputed,
+            "from_old": self.from_old})
+
+    def load_state(self, folder) -> None:
+        """Restore :meth:`save_state`'s ``folder`` after verl restored the actor (checked first on every rank)."""
+        if self.syncer is None:
+            return
+        from ...sync._state import load_humanline_state
+        extra = load_humanline_state(folder, syncer=self.syncer)
+        self.syncs, self._last_sync = int(extra["syncs"]), int(extra["last_sync"])
+        self.recomputed, self.from_old = int(extra["recomputed"]), int(extra["from_old"])
+        self._update_start = self.step
 
     def _recompute(self, data) -> None:
         """``data['ref_log_prob']`` from the reference as it is now, in the layout the trainer gave it."""

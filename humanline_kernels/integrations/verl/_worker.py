@@ -17,18 +17,23 @@ verl's; nothing else in the step changes, so the sync needs no call from the tra
 """
 from __future__ import annotations
 
+import os
+import warnings
 from functools import partial
 
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
+from ...sync._state import has_humanline_state
 from ._config import HumanlinePolicyLossConfig
 from ._kernel import rebind
 from ._loss import LOSS_MODE, humanline_ppo_loss
 from ._reference import HumanlineReference
 
-__all__ = ["HumanlineActorRolloutRefWorker", "HumanlineTrainingWorker", "check_setup", "uses_lora"]
+__all__ = ["HumanlineActorRolloutRefWorker", "HumanlineTrainingWorker", "check_setup", "uses_lora", "HUMANLINE_DIR"]
+
+HUMANLINE_DIR = "humanline"  # beside verl's files in the actor's checkpoint folder
 
 
 class HumanlineTrainingWorker(TrainingWorker):
@@ -128,9 +133,29 @@ class HumanlineActorRolloutRefWorker(ActorRolloutRefWorker):
         if self.actor is not None and self.actor.humanline is not None:
             self.actor.humanline.sync_now()
 
+    # verl 0.9.1's checkpoint manager (FSDPCheckpointManager) saves the actor's model, optimizer and extra state
+    # (scheduler, RNG) per rank and has no hook for more; the reference it never saves (it reloads the initial
+    # model). So the worker writes the humanline state into <local_path>/humanline itself: before verl's own files,
+    # and so before verl's trainer points latest_checkpointed_iteration.txt at this step and before an old
+    # checkpoint is removed (max_ckpt_to_keep), which takes the folder with it.
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        if local_path is not None and self.actor is not None and self.actor.humanline is not None:
+            self.actor.humanline.save_state(os.path.join(local_path, HUMANLINE_DIR))
+        super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
         super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
-        # verl does not checkpoint the reference (it reloads the initial model): restart it from the resumed actor
-        if self.actor is not None and self.actor.humanline is not None:
-            self.actor.humanline.sync_now()
+        humanline = self.actor.humanline if self.actor is not None else None
+        if humanline is None or humanline.syncer is None:
+            return
+        folder = os.path.join(local_path, HUMANLINE_DIR)
+        if has_humanline_state(folder):
+            humanline.load_state(folder)
+            return
+        # a checkpoint of verl's own worker (or of this package before 0.2): no reference to restore
+        warnings.warn(f"humanline verl worker: {folder} holds no humanline state; the reference restarts from the "
+                      "resumed actor and the sync counter from 0: not the run that never stopped", UserWarning,
+                      stacklevel=2)
+        humanline.sync_now()
