@@ -1,29 +1,41 @@
-"""End to end: one DPO optimizer step of a random-init Llama, offline vs humanline (sync, lookahead, the authors' way).
+"""End to end: one DPO optimizer step of a random-init Llama, offline vs humanline (sync, lookahead, the authors' way),
+and the same inside TRL's trainers (stock ``trl.DPOTrainer`` vs ``HumanlineDPOTrainer``).
 
 ``python -m bench e2e [--quick] [--out DIR] [--arms ARM ...] [--hidden H] [--layers L] [--heads A] [--kv-heads K]
 [--intermediate I] [--vocab V] [--batch B] [--seq T] [--warmup W] [--steps S] [--lr LR]``
 
 One step = forward, backward and a fused AdamW step (``zero_grad(set_to_none=True)``) of a
 ``transformers.LlamaForCausalLM`` built from a config (default: Llama 3.2 1B's shape with an untied lm_head,
-1.50 B parameters, bf16 weights and optimizer state; B = 8 rows = 4 DPO pairs x T = 1024 tokens, the second half
-of each row scored). Arms, each built fresh from the same seed (so the same initial weights and batches):
+1.50 B parameters, bf16 weights and optimizer state; B = 8 rows = 4 DPO pairs x T = 1024 tokens: a pair's two rows
+share their first half, the prompt, and the second half of each row, its completion ending in the end-of-sequence
+token, is scored). Arms, each built fresh from the same seed (so the same initial weights and batches):
 
 * ``offline``: ``hk.fused_linear.dpo`` against reference log-probs computed once before timing (no reference
   model, clip off) -- the floor;
+* ``offline_ref``: what most offline DPO runs do (TRL's default): a frozen bf16 reference model whose no-grad
+  forward (``hk.fused_linear.token_logprobs_nograd``) runs every step, clip off, no sync -- the baseline that
+  humanline's sync and lookahead are held to (issue 54: at most 1.02x);
 * ``offline_eager``: the same with the model's logits and an eager fp32 log-softmax (``hk.reference``);
 * ``sync``: a bf16 reference model, its forward (no grad, ``hk.fused_linear.token_logprobs_nograd``) every step,
   ``hk.ReferenceSyncer(every=1)`` started after it and waited after the backward, clip on;
 * ``lookahead``: ``hk.LookaheadReference(every=1)``: no reference model, the policy computes the next step's
   reference log-probs in eval mode at ``wait()``, clip on;
 * ``authors``: the HALOs way: a reference model, logits + eager log-softmax for both models,
-  ``reference.load_state_dict(policy.state_dict())`` before ``optimizer.step()``, clip on.
+  ``reference.load_state_dict(policy.state_dict())`` before ``optimizer.step()``, clip on;
+* ``trl_dpo``, ``trl_sync``, ``trl_lookahead``: ``trl.DPOTrainer`` (a frozen reference model, TRL's default) and
+  ``HumanlineDPOTrainer`` (``fused="linear"``; a synced reference model, or ``humanline_reference="lookahead"``)
+  training the same model on the same batches with the same optimizer, timed inside the trainer's loop
+  (``bench/e2e_trl.py``); the humanline trainers are held to 1.02x ``trl_dpo``.
 
 Reported per arm: median ms over the timed steps (CUDA events; ``perf_counter`` on CPU), ratio to ``offline``,
-issue 16's target for humanline (<= 1.30x offline) as a pass/fail column, peak memory
+issue 16's target for humanline (<= 1.30x offline) as a pass/fail column, the ratio to the arm's baseline
+(``offline_ref``, or ``trl_dpo`` for the TRL arms) with issue 54's 1.02x as a pass/fail column, peak memory
 (``torch.cuda.max_memory_allocated`` over the timed steps, everything the arm holds included; null on CPU) and
 the bytes held between steps (parameters, optimizer state, reference model, cached reference log-probs).
-Exactness: sync, lookahead and the authors' way compute the same losses (the reference of step t is the policy
-before step t-1's update); their step-2 losses are compared and printed, and the run exits 1 when they disagree.
+Exactness: sync, lookahead, the authors' way and the humanline trainers compute the same losses (the reference of
+step t is the policy before step t-1's update), and so do offline, offline_ref and stock TRL (the reference is the
+initial policy); each arm's step-2 loss is compared with its group's first arm (sync; offline), printed, and the
+run exits 1 when they disagree. A requested arm brings its baseline and the arm it is checked against.
 ``--quick``: a tiny fp32 model on CPU in seconds (a smoke test of the harness; the times mean nothing).
 """
 from __future__ import annotations
@@ -42,13 +54,24 @@ import time
 # before seconds of imports
 torch = common = None
 
-ARMS = ("offline", "offline_eager", "sync", "lookahead", "authors")
-HUMANLINE = ("sync", "lookahead", "authors")
+TRL_ARMS = ("trl_dpo", "trl_sync", "trl_lookahead")  # bench/e2e_trl.py
+ARMS = ("offline", "offline_ref", "offline_eager", "sync", "lookahead", "authors", *TRL_ARMS)
+HUMANLINE = ("sync", "lookahead", "authors", "trl_sync", "trl_lookahead")
 TARGET = 1.30  # issue 16: a humanline step costs at most 1.30x the offline step
+TARGET_REF = 1.02  # issue 54: ... and at most 1.02x the offline step that runs a reference forward (TRL's default)
+BASELINE = {"sync": "offline_ref", "lookahead": "offline_ref", "authors": "offline_ref", "trl_sync": "trl_dpo",
+            "trl_lookahead": "trl_dpo"}
 CHECK_STEP = 2  # the first step whose reference is an updated policy (steps 0 and 1 use theta_0)
-# |loss difference| allowed at CHECK_STEP: sync and lookahead run the same kernels on the same weights (bit-equal
-# on CPU; a GPU backward with atomics may differ by rounding); the authors' way has other kernels (eager logits).
-TOL = {"fp32": {"lookahead": 1e-5, "authors": 1e-4}, "bf16": {"lookahead": 1e-2, "authors": 5e-2}}
+# arm -> the arm whose losses it must reproduce: the same math on the same weights and batches
+SAME_AS = {"lookahead": "sync", "authors": "sync", "trl_sync": "sync", "trl_lookahead": "sync",
+           "offline_ref": "offline", "trl_dpo": "offline"}
+# |loss difference| allowed at CHECK_STEP: sync and lookahead, offline and offline_ref run the same kernels on the
+# same weights (bit-equal on CPU; a GPU backward with atomics may differ by rounding); the authors' way (eager
+# logits) and the trainers (their own heads and sums: TRL's log-prob head for trl_dpo) compute the same with others.
+TOL = {"fp32": {"lookahead": 1e-5, "offline_ref": 1e-5, "authors": 1e-4, "trl_dpo": 1e-4, "trl_sync": 1e-4,
+                "trl_lookahead": 1e-4},
+       "bf16": {"lookahead": 1e-2, "offline_ref": 1e-2, "authors": 5e-2, "trl_dpo": 5e-2, "trl_sync": 5e-2,
+                "trl_lookahead": 5e-2}}
 FULL = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256, batch=8, seq=1024,
             warmup=3, steps=10, lr=1e-3)
 QUICK = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, batch=4, seq=32,
@@ -68,7 +91,7 @@ def _config(a):
     return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                        num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                        max_position_embeddings=max(a.seq, 128), tie_word_embeddings=False,
-                       attn_implementation="sdpa")
+                       attn_implementation="sdpa", pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
 
 def _policy(a, device, dtype, seed=0):
@@ -85,15 +108,22 @@ def _frozen_copy(policy):
 
 
 def _batches(a, device):
-    """DPO batches ``(ids, labels, supervised)``: rows 0..B/2-1 chosen, B/2.. rejected; the first half of each row is
-    prompt (label -100). ``supervised``: with ``--supervised`` the completions' ranges, which the fused arms pass
-    to ``hk.fused_linear`` (the lm_head then runs on the completion half only), else None."""
+    """DPO batches ``(ids, labels, supervised)``: rows 0..B/2-1 chosen, B/2.. their rejected partners; the first
+    half of each row is the pair's prompt (label -100), the last token of each row the end of sequence (as TRL's
+    collator builds them: the TRL arms get these ids back from text, bench/e2e_trl.py). ``supervised``: with
+    ``--supervised`` the completions' ranges, which the fused arms pass to ``hk.fused_linear`` (the lm_head then
+    runs on the completion half only), else None."""
+    from .e2e_trl import EOS, FIRST_ID
     g = torch.Generator().manual_seed(1)
     out = []
-    start = a.seq // 2 - 1
+    half = a.seq // 2
+    start = half - 1
     sup = [[start, a.seq - 1]] * a.batch if a.supervised else None
     for _ in range(N_BATCHES):
-        ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+        prompts = torch.randint(FIRST_ID, a.vocab, (a.batch // 2, half), generator=g)
+        completions = torch.randint(FIRST_ID, a.vocab, (a.batch, a.seq - half), generator=g)
+        completions[:, -1] = EOS
+        ids = torch.cat([prompts.repeat(2, 1), completions], 1)
         labels = ids[:, 1:].clone()
         labels[:, :start] = -100
         out.append((ids.to(device), labels.to(device), sup))
@@ -161,6 +191,15 @@ def _build(arm, a, device, dtype):
             loss = loss_fn(policy, batches[i % N_BATCHES], refs[i % N_BATCHES], None)
             loss.backward()
             return finish(loss)
+    elif arm == "offline_ref":
+        reference = _frozen_copy(policy)
+        held += list(reference.parameters()) + list(reference.buffers())
+
+        def step(i):
+            b = batches[i % N_BATCHES]
+            loss = _fused_loss(policy, b, _fused_ref_logps(reference, b), None)
+            loss.backward()
+            return finish(loss)
     elif arm == "sync":
         reference = _frozen_copy(policy)
         held += list(reference.parameters()) + list(reference.buffers())
@@ -221,6 +260,10 @@ def _bytes(tensors):
 def run_arm(arm, a, device, dtype):
     """Warm-up and timed steps of one arm; every loss, median ms, peak and held GiB."""
     cuda = device == "cuda"
+    if arm in TRL_ARMS:
+        from . import e2e_trl
+        return e2e_trl.run_arm(arm, a, device, dtype, policy=_policy, frozen_copy=_frozen_copy, adamw=_adamw,
+                               batches=_batches(a, device), tensor_bytes=_bytes)
     step, held, opt = _build(arm, a, device, dtype)
     losses = [step(i) for i in range(a.warmup)]  # compile, autotune, allocator, optimizer state
     opt_state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -260,20 +303,19 @@ def _free(device):
 
 # ------------------------------------------------------------------------------------------------------- main
 def _checks(res, precision):
-    """Step-CHECK_STEP losses of lookahead and the authors' way against sync's (same math, same weights)."""
+    """Step-CHECK_STEP losses of every arm against the arm that computes the same (``SAME_AS``)."""
     out = {}
-    if "sync" not in res:
-        return out
-    base = res["sync"]["losses"][CHECK_STEP]
-    for arm in ("lookahead", "authors"):
-        if arm in res:
-            got = res[arm]["losses"][CHECK_STEP]
+    for arm, ref in SAME_AS.items():
+        if arm in res and ref in res:
+            base, got = res[ref]["losses"][CHECK_STEP], res[arm]["losses"][CHECK_STEP]
             tol = TOL[precision][arm]
             diff = abs(got - base)
-            out[f"{arm}_vs_sync"] = {"step": CHECK_STEP, "sync": base, arm: got, "abs_diff": diff, "tol": tol,
-                                     "ok": math.isfinite(diff) and diff <= tol}
-    # the check means something only if the reference moved: step 2's loss is no longer DPO's log 2 of step 0
-    out["reference_moved"] = abs(base - res["sync"]["losses"][0]) > 0
+            out[f"{arm}_vs_{ref}"] = {"step": CHECK_STEP, ref: base, arm: got, "abs_diff": diff, "tol": tol,
+                                      "ok": math.isfinite(diff) and diff <= tol}
+    if "sync" in res:
+        # the humanline checks mean something only if the reference moved: sync's step-2 loss differs from
+        # offline's (the same batch and weights until step 2's reference, which is the policy after step 0)
+        out["reference_moved"] = abs(res["sync"]["losses"][CHECK_STEP] - res["offline"]["losses"][CHECK_STEP]) > 0
     return out
 
 
@@ -281,7 +323,8 @@ def main(argv=None):
     p = _Parser(prog="python -m bench e2e", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU, seconds (a smoke run)")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms to run (offline always runs)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS,
+                   help="arms to run (offline always runs, and each arm's baseline and the arm it is checked against)")
     for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "warmup", "steps"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"default {FULL[k]} ({QUICK[k]} with --quick)")
@@ -293,9 +336,11 @@ def main(argv=None):
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "steps"):
+    for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "steps"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    if a.vocab < 8:  # token ids 0-2 are the TRL arms' tokenizer's specials
+        p.error(f"--vocab must be >= 8, got {a.vocab}")
     if a.batch < 2 or a.batch % 2:
         p.error(f"--batch must be an even number >= 2 (chosen and rejected rows), got {a.batch}")
     if a.seq < 4:
@@ -313,7 +358,9 @@ def main(argv=None):
     from . import common
     if not a.quick and not torch.cuda.is_available():
         p.error("the full size needs a CUDA device (this machine has none); --quick is the CPU smoke run")
-    arms = [arm for arm in ARMS if arm == "offline" or arm in a.arms]
+    wanted = set(a.arms) | {"offline"}
+    wanted |= {BASELINE[x] for x in wanted if x in BASELINE} | {SAME_AS[x] for x in wanted if x in SAME_AS}
+    arms = [arm for arm in ARMS if arm in wanted]
     device = "cpu" if a.quick else "cuda"
     dtype = torch.float32 if a.quick else torch.bfloat16
     precision = "fp32" if dtype == torch.float32 else "bf16"
@@ -333,31 +380,44 @@ def main(argv=None):
     checks = _checks(res, precision)
     for name, c in checks.items():
         if name != "reference_moved":
-            arm = name.split("_vs_")[0]
-            print(f"check {name}: step {c['step']} loss sync {c['sync']:.8g}, {arm} {c[arm]:.8g}, "
+            arm, ref = name.split("_vs_")
+            print(f"check {name}: step {c['step']} loss {ref} {c[ref]:.8g}, {arm} {c[arm]:.8g}, "
                   f"|diff| {c['abs_diff']:.3g} (tol {c['tol']:g}) {'ok' if c['ok'] else 'FAIL'}")
     if "reference_moved" in checks and not checks["reference_moved"]:
-        print(f"check: step {CHECK_STEP}'s loss equals step 0's: the weights did not move (raise --lr)")
+        print(f"check: sync's step-{CHECK_STEP} loss equals offline's: the reference did not move (raise --lr)")
 
     off, off_peak = res["offline"]["ms"], res["offline"]["peak_GiB"]
-    labels = {"offline": "offline hk.fused_linear.dpo", "offline_eager": "offline logits + eager log-softmax",
-              "sync": "humanline hk sync", "lookahead": "humanline hk lookahead",
-              "authors": "humanline authors' way"}
+    labels = {"offline": "offline hk.fused_linear.dpo, precomputed reference log-probs",
+              "offline_ref": "offline hk.fused_linear.dpo, frozen reference forward every step",
+              "offline_eager": "offline logits + eager log-softmax", "sync": "humanline hk sync",
+              "lookahead": "humanline hk lookahead", "authors": "humanline authors' way",
+              "trl_dpo": "trl.DPOTrainer, frozen reference model", "trl_sync": "HumanlineDPOTrainer sync",
+              "trl_lookahead": "HumanlineDPOTrainer lookahead"}
     rows = []
     for arm in arms:
         r = res[arm]
+        base = res.get(BASELINE.get(arm))
+        x_base = None if base is None else r["ms"] / base["ms"]
         rows.append({"arm": arm, "what": labels[arm], "ms": r["ms"], "x_offline": r["ms"] / off,
                      f"<={TARGET}x": (r["ms"] / off <= TARGET) if arm in HUMANLINE else None,
+                     "x_baseline": x_base,
+                     f"<={TARGET_REF}x_baseline": None if x_base is None else x_base <= TARGET_REF,
                      "peak_GiB": r["peak_GiB"],
                      "peak_x_offline": None if off_peak is None else r["peak_GiB"] / off_peak,
                      "held_GiB": r["held_GiB"], f"loss_step{CHECK_STEP}": r["losses"][CHECK_STEP]})
     meta = {"device": device, "dtype": precision, "params": n_params, "model": "LlamaForCausalLM (random init, "
             "untied lm_head, sdpa attention)", "config": {k: getattr(a, k) for k in FULL}, "arms": arms,
-            "tokens_per_step": a.batch * a.seq, "target_x_offline": TARGET, "checks": checks,
+            "tokens_per_step": a.batch * a.seq, "target_x_offline": TARGET, "target_x_baseline": TARGET_REF,
+            "baselines": {arm: BASELINE[arm] for arm in arms if arm in BASELINE}, "checks": checks,
             "supervised": "hk arms: lm_head on the completion half only" if a.supervised else None,
             "losses": {arm: r["losses"] for arm, r in res.items()},
             "optimizer": "torch.optim.AdamW(fused=True), zero_grad(set_to_none=True)",
-            "timing": "median over the timed steps: CUDA events per step (perf_counter on CPU)",
+            "timing": "median over the timed steps: CUDA events per step (perf_counter on CPU); the TRL arms: an "
+                      "event at the end of every optimizer step of Trainer.train (a callback), a step the time "
+                      "between two",
+            "trl": "same model, batches (as text over a word-level tokenizer of the vocabulary, sequential "
+                   "sampler) and optimizer; HumanlineDPOTrainer fused='linear' (lm_head on the completions only); "
+                   "trl.DPOTrainer with TRL's own log-prob head (lm_head on the labelled positions only)",
             "peak_GiB": "torch.cuda.max_memory_allocated over the timed steps, reset after the warm-up; "
                         "null on CPU (no allocator statistics)",
             "held_GiB": "bytes held between steps: parameters, optimizer state, reference model, cached "

@@ -12,13 +12,14 @@ Stages, in order (each one's output goes to ``DIR/gpu.log``; a failing stage is 
 3. ``demo``: ``python -m humanline_kernels.demo --device cuda`` (2 seeds, one learning rate, 30 steps);
 4. ``host``, ``logits``, ``linear``, ``masks`` (``bench linear --ignored 0 50 75``: the supervised tokens only),
    ``sync``: the benchmarks (``python -m bench NAME``), JSON and PNG into DIR;
-5. ``e2e``: one DPO step of a 1.5 B Llama, offline vs humanline sync / lookahead / the authors' way.
+5. ``e2e``: one DPO step of a 1.5 B Llama, offline (with and without a reference forward) vs humanline sync /
+   lookahead / the authors' way, and stock ``trl.DPOTrainer`` vs ``HumanlineDPOTrainer`` in TRL's loop.
 
 Writes ``DIR/gpu.json`` (environment, every stage's status and numbers) and prints a short table last, with the
 peers that ran. Made to finish in under 9 minutes on one H100 without ``masks`` and ``e2e`` (run 1, without e2e:
-372 s); e2e is expected to take about a minute and ``masks`` about two (estimated), each killed at its budget of
-150 s: on a 10-minute command limit run those two in a second command (``--skip tests parity demo host logits
-linear sync``).
+372 s); e2e is expected to take two to three minutes and ``masks`` about two (estimated), killed at their budgets
+(300 s, 150 s): on a 10-minute command limit run those two in a second command (``--skip tests parity demo host
+logits linear sync``).
 """
 from __future__ import annotations
 
@@ -256,7 +257,8 @@ def main(argv=None):
     log.write(json.dumps(report["env"]) + "\n")
     py = sys.executable
     budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "linear": 150, "masks": 150, "sync": 120,
-               "e2e": 150}  # 5 arms x (build + 13 steps of ~0.2 s): ~1 min expected, margin for Triton compiles
+               "e2e": 300}  # 9 arms x (build + 13 steps of ~0.2 s), 3 of them TRL trainers (their imports and
+    # dataset tokenization): ~2-3 min expected (estimated), margin for Triton compiles
     # -v -rfE: every failure is named in the log as it happens, and HK_FAILURE_LOG (tests/conftest.py) gets its
     # traceback then too, so a stage killed at its budget still says what failed and why
     suite = [py, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "tests"]
