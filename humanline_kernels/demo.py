@@ -613,7 +613,10 @@ def save(path, entries):
     new = {_key(e) for e in entries}
     runs = [e for e in record["runs"] if _key(e) not in new] + list(entries)
     order = {o: i for i, o in enumerate(OBJECTIVES)}
-    runs.sort(key=lambda e: (bool(e["flags"] or e["env"]), order[e["objective"]], e["flags"], sorted(e["env"])))
+    # the default runs first, then the other runs of each objective, those with flags before those with an
+    # environment of their own
+    runs.sort(key=lambda e: (bool(e["flags"] or e["env"]), order[e["objective"]], bool(e["env"]), e["flags"],
+                             sorted(e["env"].items())))
     record = {"what": "python -m humanline_kernels.demo --save: README's demo table is written from this file "
                       "(python -m bench report --readme)",
               "canary_env": CANARY_ENV, "canary_settings": {**CANARY, "lrs": list(
@@ -673,6 +676,7 @@ def readme_block(record, record_path, root):
     """README's demo section between its markers: the run's settings and machine, the table of the default runs,
     the table of the other runs, the DPO plot when it is beside the record (``record_path`` as README names it,
     relative to the project's ``root``)."""
+    import textwrap
     main = [e for e in record["runs"] if not e["flags"] and not e["env"]]
     other = [e for e in record["runs"] if e["flags"] or e["env"]]
     out = []
@@ -686,12 +690,15 @@ def readme_block(record, record_path, root):
             if first["commit"] else "outside a git checkout"
         same = all(e["machine"] == m and e["commit"] == first["commit"] for e in main)
         lrs = ", ".join(f"{x:g}" for x in s["lrs"])
+        took = ", ".join(f"{e['objective'].upper()} {e['total_s']:.0f} s" for e in main)
         out.append(
             f"What the default run measured (`python -m humanline_kernels.demo --objective all --save "
             f"{record_path}`; {where}; {commit}{'' if same else ' (some rows elsewhere: see the record)'}; "
             f"{s['steps']} steps x {s['batch']} sequences, learning rates {lrs}, {s['seeds']} seeds; rule rate of "
             f"the policy's own samples on the reported prompts, mean +- s.e.; the starting policy is at "
-            f"{first['start']:.3f}, the behaviour model that wrote the offline data at {first['behaviour']:.3f}):")
+            f"{first['start']:.3f}, the behaviour model that wrote the offline data at {first['behaviour']:.3f}; "
+            f"wall time of each run, setup included: {took}):")
+        out[-1] = textwrap.fill(out[-1], 116, break_long_words=False, break_on_hyphens=False)
         out += ["", markdown_table(main)]
     if other:
         out += ["", "Other runs in the same record (the flags or environment shown, everything else the default):",
@@ -739,7 +746,7 @@ def _parser():
     p = argparse.ArgumentParser(prog="python -m humanline_kernels.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--objective", choices=[*OBJECTIVES, "all"], default="dpo",
-                   help="the loss to train (all: the three in turn)")
+                   help="the loss to train; all: each in turn")
     p.add_argument("--steps", type=_int_at_least(1), default=60, help="optimizer steps per run")
     p.add_argument("--seeds", type=_int_at_least(2), default=3, help="seeds per arm and learning rate")
     p.add_argument("--lrs", type=_lr_grid, default=DEFAULT_LRS, help="learning-rate grid, comma-separated, "
@@ -767,8 +774,7 @@ def _parser():
                    help="processes for the runs of the grid (default: one per core up to 4 on CPU, 1 on CUDA)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--markdown", action="store_true",
-                   help="after the run, print README's markdown table rows for it (the format README's demo table "
-                   "has)")
+                   help="after the run, print its rows as README's markdown table")
     p.add_argument("--save", metavar="PATH", default=None,
                    help="merge this run into the JSON record at PATH (README's demo table is written from it by "
                    "python -m bench report --readme), with a canary run (seconds) that CI repeats")

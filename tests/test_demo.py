@@ -1,7 +1,9 @@
 """The main job: the three-arm experiment runs end to end (reduced sizes) for every objective, tunes on the held-out
 prompts only, reports what it measured, and its CLI answers bad flags with one line."""
 import io
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,10 +129,20 @@ def test_demo_cli(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(demo.__file__)))  # found from tmp_path, installed or not
     env = {**os.environ, "TRITON_INTERPRET": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    p = subprocess.run([*cmd, "--markdown"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "offline+humanline" in p.stdout and "verdict:" in p.stdout and "plot:" not in p.stdout
     assert not list(tmp_path.iterdir())  # --no-plot writes nothing
+    # --markdown: README's table format (README's own table: its header, and a row of the same cells, here with the
+    # run's flags in a run column, since they are not the defaults)
+    table = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]
+    head = "| " + " | ".join(demo.ROW_HEADER) + " |"
+    assert table[0] == head.replace("| objective |", "| objective | run |") and table[1] == "|" + "---|" * 7
+    row = table[2].split(" | ")
+    assert row[0] == "| DPO" and row[1].startswith("`--steps 2 --seeds 2 --lrs 0.001 --batch 8 --sft-steps 1")
+    assert all(re.fullmatch(r"\d\.\d{3} \+- \d\.\d{3}", c) for c in row[2:5]), row
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        assert "\n" + head + "\n|" + "---|" * 6 + "\n| DPO | " in f.read()
 
 
 @pytest.mark.parametrize("flags", [["--steps", "0"], ["--device", "gpu"], ["--device", "cuda"],
@@ -138,7 +150,8 @@ def test_demo_cli(tmp_path):
                                    ["--lrs", "nan"], ["--lrs", "1e-3,0"], ["--lrs", ","], ["--batch", "3"],
                                    ["--batch", "x"], ["--seeds", "1"], ["--resample-every", "0"],
                                    ["--objective", "grpo", "--batch", "6"], ["--plot", "a{b}.png"],
-                                   ["--eval-n", "4"], ["--seed", "-1"]])
+                                   ["--eval-n", "4"], ["--seed", "-1"], ["--objective", "all", "--batch", "6"],
+                                   ["--objective", "all", "--batch", "5"], ["--save", "."], ["--markdown", "x"]])
 def test_bad_flags_are_one_line_argparse_errors(flags, monkeypatch, capsys):
     monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)  # "--device cuda" without CUDA
     monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("ran with a bad flag"))
@@ -154,3 +167,28 @@ def test_help_shows_defaults(capsys):
         demo.main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "(default: 60)" in out and "(default: dpo)" in out and "(default: 3)" in out
+
+
+def test_save_merges_runs_by_objective_flags_and_environment(tmp_path, monkeypatch):
+    """``--save``: a rerun of the same objective, flags and environment replaces its entry, others are kept;
+    the default runs come first, in objective order; the canary is taken (stubbed here: tests/test_readme.py runs
+    the real one against README's record)."""
+    monkeypatch.setattr(demo, "canary_subprocess", lambda: {"dpo": {}})
+    arms = {arm: {"rule_rate": 0.5, "se": 0.1, "heldout": 0.5, "clip_frac": None, "syncs": 0, "wall_s": 1.0,
+                  "sample_s": 0.0, "lr": 1e-3} for arm in demo.ARMS}
+
+    def entry(objective, flags=(), env=None, rate=0.5):
+        return {"objective": objective, "flags": list(flags), "env": env or {}, "settings": {"resample_every": 10},
+                "machine": {"cpu_capability": "AVX2"}, "arms": {**arms, "online": {**arms["online"],
+                                                                                     "rule_rate": rate}}}
+    path = str(tmp_path / "r" / "demo.json")
+    demo.save(path, [entry("kto"), entry("dpo", ["--steps", "2"])])
+    demo.save(path, [entry("dpo"), entry("kto", rate=0.9), entry("dpo", env={"ATEN_CPU_CAPABILITY": "avx2"})])
+    with open(path, encoding="utf-8") as f:
+        rec = json.load(f)
+    assert [(e["objective"], e["flags"], e["env"]) for e in rec["runs"]] == [
+        ("dpo", [], {}), ("kto", [], {}), ("dpo", ["--steps", "2"], {}), ("dpo", [], {"ATEN_CPU_CAPABILITY": "avx2"})]
+    assert rec["runs"][1]["arms"]["online"]["rule_rate"] == 0.9 and rec["canary"] == {"dpo": {}}
+    table = demo.markdown_table(rec["runs"][2:])
+    assert "| DPO | `--steps 2` (AVX2) |" in table and "| DPO | `ATEN_CPU_CAPABILITY=avx2` (AVX2) |" in table
+    assert "within 1 s.e., 1.0x faster" in demo.markdown_table(rec["runs"][:1])
