@@ -2,7 +2,8 @@
 
 Suites: logits, linear, sync, host, e2e (each prints a table and writes JSON + PNG into ``--out``, default
 ``bench/out/``; ``--quick`` is a CPU smoke run) and gpu (every check and benchmark on a GPU machine, see
-docs/kernels.md). ``python -m bench SUITE --help`` for a suite's flags.
+docs/kernels.md); report prints README's Benchmarks section for committed runs (``--readme`` rewrites README's
+generated blocks). ``python -m bench SUITE --help`` for a suite's flags.
 """
 import importlib
 import sys
@@ -12,8 +13,9 @@ SUITES = {"logits": ("bench.bench_logits", "logits path: token log-probs and fus
           "sync": ("bench.bench_sync", "reference sync: copy bandwidth, overlap with compute, FSDP2 step"),
           "host": ("bench.bench_host", "kernel launches and CPU enqueue vs GPU time of one loss call"),
           "e2e": ("bench.bench_e2e",
-                  "one DPO step of a 1.5 B Llama: offline vs humanline sync, lookahead, the authors' way"),
-          "gpu": ("bench.bench_gpu", "GPU machine: GPU tests, parity at N=8192 V=128256, demo, all benchmarks")}
+                  "one DPO step of a 1.5 B Llama: offline (with a reference forward) vs humanline, plain and in TRL"),
+          "gpu": ("bench.bench_gpu", "GPU machine: GPU tests, parity at N=8192 V=128256, demo, all benchmarks"),
+          "report": ("bench.report", "README's generated sections from committed runs (print, --readme, --check)")}
 
 
 def _usage() -> str:

@@ -25,7 +25,7 @@ def test_help_lists_every_suite():
     assert r.returncode == 0 and r.stderr == ""
     for name in SUITES:
         assert f"  {name} " in r.stdout
-    assert set(SUITES) == {"logits", "linear", "sync", "host", "e2e", "gpu"}
+    assert set(SUITES) == {"logits", "linear", "sync", "host", "e2e", "gpu", "report"}
 
 
 @pytest.mark.parametrize("args", [(), ("nope",)])
@@ -46,6 +46,8 @@ def test_default_output_is_bench_out_for_every_suite():
 
     from bench.__main__ import SUITES
     for name, (mod, _) in SUITES.items():
+        if name == "report":  # writes nothing but README (--readme)
+            continue
         m = importlib.import_module(mod)
         seen = {}
 
@@ -241,3 +243,36 @@ def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
     assert "=== tests/a.py::bad (call)\nE   AssertionError: 2.8e-5" in text
     assert "E   the reason" in text and len(text) < 7000
     assert "::ok" not in text and "::twice" not in text
+
+
+@pytest.mark.parametrize("args, says", [(("report",), "give at least one run folder"),
+                                        (("report", "bench/results/nope"), "no run folder"),
+                                        (("report", "--check", "nope.md"), "no README at"),
+                                        (("report", "--bogus"), "unrecognized arguments")])
+def test_report_bad_flags_are_one_line(args, says):
+    r = _bench(*args)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+
+
+def test_report_prints_each_section_from_the_newest_run_that_has_it(tmp_path):
+    """Each section from the first run given that holds its JSON, with the card and the versions; a section no
+    run holds says so. ``--check`` passes on README as committed and fails, with a diff, on an edited copy."""
+    from bench import report
+    runs = ["bench/results/2026-11-26-h200", "bench/results/2026-11-26-h100"]
+    text = report.render(runs)
+    logits, linear = text.index("**Logits path**"), text.index("**Fused linear**")
+    assert "NVIDIA H200" in text[logits:linear] and "`bench/results/2026-11-26-h200`" in text[logits:linear]
+    assert "NVIDIA H100" in text[linear:] and "`bench/results/2026-11-26-h100`" in text[linear:]
+    assert "torch 2.11.0+cu130, triton 3.6.0" in text and "TRL 1.16.0" in text
+    assert "**End to end**: not measured in" in text  # no run holds e2e.json yet
+    assert "| `liger triton_grpo_loss` |" in text and "| `hk.fused.grpo` |" in text  # ours beside the peers
+    r = _bench("report", *runs)
+    assert r.returncode == 0 and r.stdout.strip() == text
+    assert _bench("report", "--check").returncode == 0
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    edited = tmp_path / "README.md"
+    edited.write_text(readme.replace("| `hk.fused.dpo` |", "| `hk.fused.dpo` | 0.1 |", 1), encoding="utf-8")
+    r = _bench("report", "--check", str(edited))
+    assert r.returncode == 1 and "generated blocks differ" in r.stderr and "+| `hk.fused.dpo`" in r.stdout

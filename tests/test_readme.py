@@ -1,0 +1,82 @@
+"""README's numbers are generated, never kept by hand: its demo table from the demo's committed record, its
+Benchmarks section from the committed GPU runs its marker names (``python -m bench report --readme`` writes both).
+The record is the default run's, and it still describes the code: its canary, a tiny run of every objective under
+pinned rounding, is repeated here and must give the same bits."""
+import json
+import os
+
+import pytest
+
+from bench import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REGENERATE = "python -m bench report --readme"
+
+
+def _readme():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _block(kind):
+    found = [(arg, content) for k, arg, content, _ in report.blocks(_readme()) if k == kind]
+    assert len(found) == 1, f"README.md must hold one <!-- {kind}: ... --> block, found {len(found)}"
+    return found[0]
+
+
+def _record():
+    path, _ = _block("demo-table")
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_benchmarks_section_is_the_reports_output_for_the_runs_it_names():
+    runs, content = _block("benchmarks")
+    assert runs.split(), "the benchmarks marker names no run"
+    for run in runs.split():
+        assert os.path.isdir(os.path.join(ROOT, run)), f"README's benchmarks marker names {run}, which is not here"
+    assert content == report.render(runs.split()) + "\n", (
+        f"README's Benchmarks section is not what `python -m bench report {runs}` writes: run `{REGENERATE}`")
+
+
+def test_demo_table_is_written_from_its_record():
+    from humanline_kernels import demo
+    path, content = _block("demo-table")
+    assert content == demo.readme_block(_record(), path, ROOT) + "\n", (
+        f"README's demo table is not what {path} says: run `{REGENERATE}`")
+
+
+def test_demo_record_is_the_default_run_of_every_objective():
+    """The table's rows are the default run: every setting as `python -m humanline_kernels.demo` has it now, on
+    the CPU (a changed default makes the record stale: rerun the demo)."""
+    from humanline_kernels import demo
+    defaults = demo._parser().parse_args([])
+    main = [e for e in _record()["runs"] if not e["flags"] and not e["env"]]
+    assert [e["objective"] for e in main] == list(demo.OBJECTIVES)
+    for e in main:
+        s = e["settings"]
+        want = {k: getattr(defaults, k) for k in ("steps", "seeds", "seed", "batch", "resample_every", "sft_steps",
+                                                  "eval_n")}
+        want.update(lrs=list(defaults.lrs), clip=[defaults.log_eps_p, defaults.log_eps_r],
+                    sync_every=12 if e["objective"] == "grpo" else 1)
+        assert {k: s[k] for k in want} == want, (e["objective"], "rerun: python -m humanline_kernels.demo "
+                                                                  "--objective all --save " + _block("demo-table")[0])
+        assert e["machine"]["device"] == "cpu" and e["commit"] and not e["dirty"]
+
+
+def test_demo_record_still_describes_the_code():
+    """The canary recorded with the table, run again: any change to what the demo computes (data, training, the
+    package's losses or syncer, evaluation) or to torch's numerics changes these bits, and the table no longer
+    says what the code does."""
+    from humanline_kernels import demo
+    record = _record()
+    assert record["canary_env"] == demo.CANARY_ENV and record["canary_settings"] == {**demo.CANARY,
+                                                                                       "lrs": list(demo.CANARY["lrs"])}
+    now = demo.canary_subprocess()
+    if now != record["canary"]:
+        path = _block("demo-table")[0]
+        diff = [f"{o} {k}" for o in record["canary"] for k in record["canary"][o]
+                if now.get(o, {}).get(k) != record["canary"][o][k]]
+        pytest.fail(f"the demo no longer computes what its record measured ({len(diff)} canary runs differ, e.g. "
+                    f"{diff[:3]}): rerun `python -m humanline_kernels.demo --objective all --save {path}` (and the "
+                    f"other runs of the record, with their flags), then `{REGENERATE}`")
