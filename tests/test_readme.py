@@ -68,8 +68,18 @@ def test_demo_record_still_describes_the_code():
     """The canary recorded with the table, run again: any change to what the demo computes (data, training, the
     package's losses or syncer, evaluation) or to torch's numerics changes these bits, and the table no longer
     says what the code does."""
+    import platform
+
+    import torch
+
     from humanline_kernels import demo
     record = _record()
+    measured = {e["machine"]["torch"] for e in record["runs"]}
+    if torch.__version__ not in measured or platform.machine() not in ("x86_64", "AMD64"):
+        # the canary's bits are this torch's and x86 MKL's numerics (CI runs README's torch, the record's); the GPU
+        # image's older torch rounds otherwise and says nothing about the record
+        pytest.skip(f"the record was measured with torch {', '.join(sorted(measured))} on x86; this is torch "
+                    f"{torch.__version__} on {platform.machine()}")
     assert record["canary_env"] == demo.CANARY_ENV and record["canary_settings"] == {**demo.CANARY,
                                                                                        "lrs": list(demo.CANARY["lrs"])}
     now = demo.canary_subprocess()
