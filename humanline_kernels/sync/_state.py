@@ -24,8 +24,8 @@ Every file is written under a temporary name and renamed (``os.replace``), so a 
 leaves no file that looks complete; a checkpoint folder whose ``humanline_state.json`` is missing or names a file
 that is missing, truncated, corrupted or of another shape or dtype is refused with a ``ValueError`` naming the
 file, before the reference is touched. Each file also records a fingerprint of the policy it was saved with
-(float64 sum and L1 norm of the rank-local tensors), checked against the resumed policy: humanline state from
-another checkpoint is refused too.
+(float64 sums of a strided sample of each rank-local tensor), checked against the resumed policy: humanline state
+from another checkpoint is refused too.
 """
 from __future__ import annotations
 
@@ -301,12 +301,16 @@ def _host(t):
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def _fingerprint(tensors):
-    """Per rank-local policy tensor, its float64 sum and L1 norm: which policy a state was saved with."""
+def _fingerprint(tensors, samples=4096):
+    """Per rank-local policy tensor, the float64 sum and L1 norm of an evenly strided sample of at most ``samples``
+    elements: which policy a state was saved with, at a cost independent of the model's size (a full float64 pass
+    took 2 s for 150 M parameters on 2 CPU cores). Any optimizer step moves nearly every element, so the sample
+    tells two checkpoints of a run apart; the same bits give the same numbers."""
     parts = []
     for t in tensors:
-        t = t.detach() if t.is_floating_point() else t.detach().to(torch.float64)  # (integer buffers)
-        parts.append(torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, 1, dtype=torch.float64)]))
+        flat = t.detach().reshape(-1)
+        flat = flat[::max(1, flat.numel() // samples)].to(torch.float64)
+        parts.append(torch.stack([flat.sum(), flat.abs().sum()]))
     return torch.stack(parts).cpu().tolist() if parts else []
 
 

@@ -1,0 +1,113 @@
+"""What resuming exactly costs: the size and the time of a humanline DPO trainer's checkpoint with the reference's
+weights (``save_reference=True``, the default), with the schedule only (``save_reference=False``) and a stock
+(humanline=False) checkpoint, on a random-init Llama of a chosen size (CPU or the GPU of the machine).
+
+    python -m bench.bench_checkpoint [--hidden 512] [--layers 8] [--vocab 32000] [--repeat 3] [--json PATH]
+
+Prints a table (checkpoint MiB, the humanline files' MiB, the whole save's seconds and the humanline part's) and
+writes JSON with the machine, versions and shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.bench_checkpoint", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeat", type=int, default=3, help="saves timed per arm (the median is reported)")
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    for name in ("hidden", "layers", "vocab", "repeat"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be a positive int")
+    if a.hidden % 8:
+        p.error("--hidden must be a multiple of 8 (8 attention heads)")
+    return a
+
+
+def _size(folder, prefix=""):
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+               if f.startswith(prefix) and os.path.isfile(os.path.join(folder, f)))
+
+
+def run(a):
+    import statistics
+
+    import torch
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from humanline_kernels.integrations.trl import HumanlineDPOConfig, HumanlineDPOTrainer
+
+    work = tempfile.mkdtemp(prefix="hk-ckpt-")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                      num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=8, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    path = os.path.join(work, "model")
+    model.save_pretrained(path)
+    vocab = {"<pad>": 0, "<eos>": 1, **{chr(97 + i): 2 + i for i in range(26)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+                                  pad_token="<pad>", eos_token="<eos>")
+    tok.pre_tokenizer = None
+    data = Dataset.from_list([{"prompt": "ab", "chosen": "cd", "rejected": "ef"}] * 4)
+    arms = {"humanline": dict(humanline=True), "save_reference=False": dict(humanline=True, save_reference=False),
+            "stock (humanline=False)": dict(humanline=False)}
+    rows = []
+    for i, (arm, kw) in enumerate(arms.items(), 1):
+        print(f"[{i}/{len(arms)}] {arm}: one step, then {a.repeat} timed checkpoints", file=sys.stderr, flush=True)
+        out = os.path.join(work, f"run{i}")
+        args = HumanlineDPOConfig(output_dir=out, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                                  save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                  use_cpu=not torch.cuda.is_available(), fused="logits", **kw)
+        trainer = HumanlineDPOTrainer(path, args=args, train_dataset=data, processing_class=tok)
+        trainer.train()
+        total, ours = [], []
+        real = trainer._hk_save_state
+
+        def timed(folder):
+            t = time.perf_counter()
+            real(folder)
+            ours.append(time.perf_counter() - t)
+        trainer._hk_save_state = timed
+        for _ in range(a.repeat):
+            t = time.perf_counter()
+            trainer._save_checkpoint(trainer.model, None)
+            total.append(time.perf_counter() - t)
+        folder = os.path.join(out, "checkpoint-1")
+        rows.append({"arm": arm, "checkpoint_mib": _size(folder) / 2**20,
+                     "humanline_mib": _size(folder, "humanline") / 2**20,
+                     "save_s": statistics.median(total), "humanline_s": statistics.median(ours or [0.0])})
+    return {"params": params, "shape": {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab},
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()}, "
+            f"{os.cpu_count()} cores)", "torch": torch.__version__, "rows": rows}
+
+
+def main(argv=None):
+    a = _args(argv)
+    res = run(a)
+    print(f"{res['params'] / 1e6:.1f} M params (fp32 policy and reference, AdamW), {res['device']}, torch "
+          f"{res['torch']}; medians of {a.repeat} saves")
+    print("| arm | checkpoint MiB | humanline files MiB | save s | humanline part s |\n|---|---|---|---|---|")
+    for r in res["rows"]:
+        print(f"| {r['arm']} | {r['checkpoint_mib']:.1f} | {r['humanline_mib']:.2f} | {r['save_s']:.2f} | "
+              f"{r['humanline_s']:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
