@@ -1,6 +1,6 @@
 """``python -m bench SUITE [args]``: one benchmark CLI.
 
-Suites: logits, linear, sync, host, e2e (each prints a table and writes JSON + PNG into ``--out``, default
+Suites: logits, linear, sync, host, e2e, checkpoint (each prints a table and writes JSON + PNG into ``--out``, default
 ``bench/out/``; ``--quick`` is a CPU smoke run) and gpu (every check and benchmark on a GPU machine, see
 docs/kernels.md); report prints README's Benchmarks section for committed runs (``--readme`` rewrites README's
 generated blocks). ``python -m bench SUITE --help`` for a suite's flags.
@@ -14,13 +14,15 @@ SUITES = {"logits": ("bench.bench_logits", "logits path: token log-probs and fus
           "host": ("bench.bench_host", "kernel launches and CPU enqueue vs GPU time of one loss call"),
           "e2e": ("bench.bench_e2e",
                   "one DPO step of a 1.5 B Llama: offline (with a reference forward) vs humanline, plain and in TRL"),
+          "checkpoint": ("bench.bench_checkpoint",
+                         "checkpoint size and time with the humanline reference, schedule only, and stock"),
           "gpu": ("bench.bench_gpu", "GPU machine: GPU tests, parity at N=8192 V=128256, demo, all benchmarks"),
           "report": ("bench.report", "README's generated sections from committed runs (print, --readme, --check)")}
 
 
 def _usage() -> str:
     lines = ["usage: python -m bench SUITE [--help] [args]", "", "suites:"]
-    lines += [f"  {name:7s} {text}" for name, (_, text) in SUITES.items()]
+    lines += [f"  {name:10s} {text}" for name, (_, text) in SUITES.items()]
     return "\n".join(lines)
 
 

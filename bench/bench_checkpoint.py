@@ -2,7 +2,7 @@
 weights (``save_reference=True``, the default), with the schedule only (``save_reference=False``) and a stock
 (humanline=False) checkpoint, on a random-init Llama of a chosen size (CPU or the GPU of the machine).
 
-    python -m bench.bench_checkpoint [--hidden 512] [--layers 8] [--vocab 32000] [--repeat 3] [--json PATH]
+    python -m bench checkpoint [--hidden 512] [--layers 8] [--vocab 32000] [--repeat 3] [--json PATH]
 
 Prints a table (checkpoint MiB, the humanline files' MiB, the whole save's seconds and the humanline part's) and
 writes JSON with the machine, versions and shapes.
@@ -19,7 +19,7 @@ import time
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m bench.bench_checkpoint", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)

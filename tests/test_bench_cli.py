@@ -276,3 +276,21 @@ def test_report_prints_each_section_from_the_newest_run_that_has_it(tmp_path):
     edited.write_text(readme.replace("| `hk.fused.dpo` |", "| `hk.fused.dpo` | 0.1 |", 1), encoding="utf-8")
     r = _bench("report", "--check", str(edited))
     assert r.returncode == 1 and "generated blocks differ" in r.stderr and "+| `hk.fused.dpo`" in r.stdout
+
+
+def test_checkpoint_cost_runs_and_refuses_bad_flags(tmp_path):
+    """``python -m bench checkpoint``: the humanline checkpoint holds the reference's bytes on top of the stock
+    one's, save_reference=False holds none; a non-positive size is a one-line error."""
+    import json
+
+    from bench import bench_checkpoint
+    out = tmp_path / "ckpt.json"
+    bench_checkpoint.main(["--hidden", "32", "--layers", "1", "--vocab", "64", "--repeat", "1", "--json", str(out)])
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    ref_mib = rows["humanline"]["humanline_mib"]
+    assert ref_mib > 0 and rows["save_reference=False"]["humanline_mib"] < 0.01
+    assert rows["humanline"]["checkpoint_mib"] == pytest.approx(rows["stock (humanline=False)"]["checkpoint_mib"]
+                                                                + ref_mib, rel=0.01)
+    r = _bench("checkpoint", "--hidden", "0")
+    assert r.returncode == 2 and len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
+    assert "Traceback" not in r.stderr
