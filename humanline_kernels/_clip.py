@@ -14,6 +14,10 @@ class HumanlineClip:
     The defaults (-1.5, 1.5) are the paper's best setting for DPO, KTO and GRPO. (The authors' HALOs repository
     defaults ``log_epsilon_P`` to -1.0.) The gradient is zero outside the band and passes at its ends, as with
     ``torch.clamp``. Pass ``clip=None`` to a loss to turn clipping off.
+
+    The band must hold 0 (``log_eps_p <= 0 <= log_eps_r``): one that excludes it clamps every token of a policy
+    equal to its reference (each step right after a sync) to a constant, with zero gradient, so that step does not
+    train at all. (Such a band is usually the ratios ``eps_p``, ``eps_r`` passed instead of their logarithms.)
     """
 
     log_eps_p: float = -1.5
@@ -27,6 +31,12 @@ class HumanlineClip:
         if self.log_eps_p > self.log_eps_r:
             raise ValueError(
                 f"log_eps_p must be <= log_eps_r, got log_eps_p={self.log_eps_p} > log_eps_r={self.log_eps_r}"
+            )
+        if not self.log_eps_p <= 0.0 <= self.log_eps_r:
+            raise ValueError(
+                f"log_eps_p <= 0 <= log_eps_r must hold (bounds of the log-ratio), got log_eps_p={self.log_eps_p}, "
+                f"log_eps_r={self.log_eps_r}: a band without 0 clamps every token of a policy equal to its reference "
+                "to a constant with zero gradient (the log of the ratio bounds, e.g. log(0.5), log(1.5), is meant)"
             )
 
 

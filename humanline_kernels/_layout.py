@@ -21,23 +21,36 @@ row ``r`` and address token ``plane[r]`` (``ops.logprobs.kernel._token``), the f
 chunk's hidden rows for its GEMM.
 
 No host sync: ``cu_seqlens`` as a tensor with ``max_seqlen`` given builds the map with a few tensor ops where the
-tensors live; host-side boundaries (Python lists, CPU tensors without ``max_seqlen``, the ``supervised`` ranges) are
-read on the host and the maps copied to the device without waiting. ``cu_seqlens`` on the GPU without
+tensors live, and checks the boundaries there (a device-side assert; a ``ValueError`` on CPU tensors, as every other
+check); host-side boundaries (Python lists, CPU tensors without ``max_seqlen``, the ``supervised`` ranges) are
+read and checked on the host and the maps copied to the device without waiting. ``cu_seqlens`` on the GPU without
 ``max_seqlen``, and ``position_ids`` on the GPU, cost one sync (the width ``T`` must be known on the host), and so
 does the fused-linear level with ``cu_seqlens`` on the GPU: it chunks by rows on the host (TRL's collator makes
-``cu_seq_lens`` on the CPU: pass that).
+``cu_seq_lens`` on the CPU: pass that). The planes are ``max_seqlen`` wide when it is given (so "dr_grpo" without
+``max_completion_length`` divides by it on either path), else as wide as the longest sequence.
+
+Every map addresses only its planes, even unchecked (``validate=False``): a device map clamps each position into
+its sequence's row, and the row kernels clamp each map entry into the ``[B, T]`` tensors
+(``ops.logprobs.kernel._token``). Broken boundaries then give an unspecified result, never a write outside a buffer.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from ._validation import device_check
+
 __all__ = ["Packed", "TokenMap", "packed_map", "supervised_map", "flat", "unpack", "unpack_like", "pack"]
 
 Ints = Union[Tensor, Sequence[int]]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _host(x, name) -> list:
@@ -46,6 +59,8 @@ def _host(x, name) -> list:
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise ValueError(f"{name} must hold integers, got dtype {str(x.dtype).replace('torch.', '')}")
         return x.tolist()
+    if not isinstance(x, (list, tuple)):
+        raise ValueError(f"{name} must be a tensor or a list of ints, got {type(x).__name__}")
     return list(x)
 
 
@@ -64,10 +79,12 @@ class Packed:
         if isinstance(cu, Tensor):
             if cu.dim() != 1 or cu.numel() < 1 or cu.is_floating_point() or cu.dtype == torch.bool:
                 raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S + 1], got {cu.dtype} {list(cu.shape)}")
-        elif not isinstance(cu, (list, tuple)) or len(cu) < 1:
-            raise ValueError("cu_seqlens must be a 1-D integer tensor or a sequence of ints [S + 1]")
-        if self.max_seqlen is not None and (not isinstance(self.max_seqlen, int) or self.max_seqlen < 0):
-            raise ValueError(f"max_seqlen must be a non-negative int, got {self.max_seqlen!r}")
+        elif not isinstance(cu, (list, tuple)) or len(cu) < 1 or not all(map(_is_int, cu)):
+            raise ValueError("cu_seqlens must be a 1-D integer tensor or a sequence of ints [S + 1], got "
+                             f"{cu if not isinstance(cu, (list, tuple)) else _shown(list(cu))!r}")
+        m = self.max_seqlen
+        if m is not None and (not _is_int(m) or m < 0):
+            raise ValueError(f"max_seqlen must be a non-negative int, got {m!r}")
 
     @property
     def num_sequences(self) -> int:
@@ -130,10 +147,33 @@ def _to(t: list, device) -> Tensor:
     return cpu if device.type == "cpu" else cpu.to(device, non_blocking=True)
 
 
-def _check_cu(cu: list, N: int):
+def _shown(cu: list):
+    return cu if len(cu) <= 12 else cu[:6] + ["..."] + cu[-3:]
+
+
+def _check_cu(cu: list, N: int, max_seqlen=None):
     if cu[0] != 0 or cu[-1] != N or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the {N} packed positions, got "
-                         f"{cu if len(cu) <= 12 else cu[:6] + ['...'] + cu[-3:]}")
+                         f"{_shown(cu)}")
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if max_seqlen is not None and longest > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest packed sequence ({longest} positions)")
+
+
+def _check_sizes(packed: Packed, N: int):
+    """What the shapes alone refute (no value read): positions without a sequence, or wider than ``max_seqlen``."""
+    if N and packed.num_sequences < 1:
+        raise ValueError(f"cu_seqlens must hold at least one sequence ([0, N]) for {N} packed positions")
+    if N and packed.max_seqlen == 0:
+        raise ValueError(f"max_seqlen must be > 0 for {N} packed positions")
+
+
+def _check_cu_device(cu: Tensor, N: int, T: int):
+    """:func:`_check_cu` on the device, without a host sync: one device-side assert (a ``ValueError`` on the CPU)."""
+    d = torch.diff(cu, prepend=cu.new_zeros(1))  # d[0] = cu[0]: 0 when the first boundary is
+    ok = ((d >= 0) & (d <= T)).all() & (d[0] == 0) & (cu[-1] == N)
+    device_check(ok, f"cu_seqlens must start at 0, never decrease, end at the {N} packed positions and hold no "
+                     f"sequence longer than max_seqlen={T}", lambda: f", got {_shown(cu.tolist())}")
 
 
 def _order(S, pairs):
@@ -144,14 +184,16 @@ def _order(S, pairs):
     return [r for j in range(P) for r in (j, P + j)]
 
 
-def packed_map(packed: Packed, N: int, device, *, pairs=False, host=False) -> TokenMap:
+def packed_map(packed: Packed, N: int, device, *, pairs=False, host=False, validate=True) -> TokenMap:
     """The map of every position of a packed stream of ``N`` positions (``host``: the row runs are needed on the
-    host, so device boundaries are copied there once)."""
+    host, so device boundaries are copied there once). The planes are ``max_seqlen`` wide when it is given, else as
+    wide as the longest sequence. ``validate=False`` skips the device-side check of tensor boundaries."""
     S = packed.num_sequences
+    _check_sizes(packed, N)
     if host or not isinstance(packed.cu_seqlens, Tensor) or packed.max_seqlen is None:
         cu = packed.host_cu()
-        _check_cu(cu, N)
-        T = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        _check_cu(cu, N, packed.max_seqlen)
+        T = packed.max_seqlen if packed.max_seqlen is not None else max((b - a for a, b in zip(cu, cu[1:])), default=0)
         order = _order(S, pairs)
         plane, source = [], []
         for r in order:
@@ -162,12 +204,15 @@ def packed_map(packed: Packed, N: int, device, *, pairs=False, host=False) -> To
         return TokenMap(S, T, _to(plane, device), src, order, counts, N)
     # on the device, no sync: sequence of each position by a search over the boundaries
     cu = packed.cu_seqlens.to(device=device, dtype=torch.int64)
-    torch._assert_async(cu[-1] == N, "cu_seqlens must end at the number of packed positions")
     T = packed.max_seqlen
+    if validate:
+        _check_cu_device(cu, N, T)
     pos = torch.arange(N, device=device)
     seq = torch.searchsorted(cu[1:], pos, right=True).clamp(max=max(S - 1, 0))
-    t = pos - cu[seq]
-    torch._assert_async((t < T).all(), "a packed sequence is longer than max_seqlen")
+    # clamped into the sequence's row even when checked: a device-side assert fails after the launches queued
+    # behind it, and unchecked boundaries (validate=False) are a promise; broken ones then give an unspecified
+    # result (positions share a plane entry), never an address outside the planes
+    t = (pos - cu[seq]).clamp(min=0, max=max(T - 1, 0))
     return TokenMap(S, T, seq * T + t, None, None, None, N)
 
 
@@ -178,16 +223,17 @@ def supervised_map(ranges: Ints, B: int, T: int, device, *, packed: Optional[Pac
     packed: ``packed`` gives the sequences (``B``, ``T`` unused) in a stream of ``N`` positions."""
     rng = _host(ranges, "supervised")
     if packed is not None:
+        _check_sizes(packed, N)
         cu = packed.host_cu()
-        _check_cu(cu, N)
+        _check_cu(cu, N, packed.max_seqlen)
         S = len(cu) - 1
         lengths = [b - a for a, b in zip(cu, cu[1:])]
-        width = max(lengths, default=0)
+        width = packed.max_seqlen if packed.max_seqlen is not None else max(lengths, default=0)
         starts = cu[:-1]
     else:
         S, width, lengths, starts = B, T, [T] * B, [b * T for b in range(B)]
         N = B * T
-    if len(rng) != S or any(not isinstance(r, (list, tuple)) or len(r) != 2 for r in rng):
+    if len(rng) != S or any(not isinstance(r, (list, tuple)) or len(r) != 2 or not all(map(_is_int, r)) for r in rng):
         raise ValueError(f"supervised must give one [start, end) range per row ({S} rows), shape [{S}, 2]")
     for b, (s, e) in enumerate(rng):
         if not (0 <= s <= e <= lengths[b]):
@@ -219,13 +265,21 @@ def unpack(x: Tensor, tm: TokenMap, fill) -> Tensor:
     return out.index_put((tm.plane,), vals).view(tm.S, tm.T)
 
 
-def unpack_like(t: Optional[Tensor], tm: Optional[TokenMap], like: Tensor) -> Optional[Tensor]:
+def unpack_like(t: Optional[Tensor], tm: Optional[TokenMap], like: Tensor, per_sequence=False) -> Optional[Tensor]:
     """:func:`unpack` for an input of a loss call: a per-token tensor (shaped like ``like``, the caller's labels or
-    log-probs) on the map's planes, ``False`` / 0 elsewhere; anything else (None, one value per sequence) and every
-    input without a map as given."""
-    if tm is None or t is None or tuple(t.shape) != tuple(like.shape):
+    log-probs; a stream's ``[N]`` and ``[1, N]`` alike) on the map's planes, ``False`` / 0 elsewhere; anything else
+    (None, one value per sequence) and every input without a map as given. ``per_sequence``: the input may hold one
+    value per sequence (GRPO's advantages, the vLLM importance weight); a 1-D one of ``S`` values is that, also
+    when the stream has ``S`` positions (per token it is then ``[1, N]``)."""
+    if tm is None or not isinstance(t, Tensor) or t.device != like.device:
+        return t  # (a malformed one too: the loss's own check names it)
+    if per_sequence and t.dim() == 1 and t.shape[0] == tm.S:
         return t
-    return unpack(t, tm, False if t.dtype == torch.bool else 0.0)
+    stream = like.dim() == 1 or (like.dim() == 2 and like.shape[0] == 1)  # [N] or [1, N]
+    if tuple(t.shape) != tuple(like.shape) and not (
+            stream and t.numel() == like.numel() and (t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1))):
+        return t
+    return unpack(t.reshape(like.shape), tm, False if t.dtype == torch.bool else 0.0)
 
 
 def pack(y: Tensor, tm: TokenMap, shape) -> Tensor:

@@ -67,6 +67,9 @@ class Loss(Tokens):
     name: ClassVar[str]
     mode: ClassVar[int] = MODE_RATIO
     Inputs: ClassVar[type] = NoInputs
+    # whether the loss needs ref_logps (the sequence-level primitive takes None as a reference of 0; SimPO and SLiC
+    # have none)
+    needs_ref: ClassVar[bool] = True
 
     @property
     def terms(self) -> tuple:  # (a property, not functools.cached_property: that one locks on Python 3.11)
@@ -135,6 +138,7 @@ class Sequence(SequenceLoss):
 
     normalize: bool = False
     name: ClassVar[str] = "sequence"
+    needs_ref: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +152,7 @@ class SimPO(SequenceLoss):
     beta: float = 2.0
     gamma_beta_ratio: float = 0.25
     name: ClassVar[str] = "simpo"
+    needs_ref: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +160,7 @@ class SLiC(SequenceLoss):
     beta: float = 1.0
     lambda_coef: float = 0.1
     name: ClassVar[str] = "slic"
+    needs_ref: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, kw_only=True)

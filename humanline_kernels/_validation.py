@@ -98,11 +98,17 @@ def check_dpo(p, B, like, inp=None):
         use_weighting=p.use_weighting, log_sum_sq_probs=None if inp is None else inp.log_sum_sq_probs)
 
 
-def check_fused_dpo(p, types):
-    """What the logits and hidden-state levels cannot compute of DPO's options, refused with the reason."""
-    if p.use_weighting:
-        raise ValueError("use_weighting (WPO) needs each token's log sum_v p_v^2, which the fused row kernels do not "
-                         "compute: use hk.losses.dpo with TRL's log_sum_sq_probs")
+def check_fused_dpo(p, types=None):
+    """What the logits and hidden-state levels cannot compute of DPO's options, refused with the reason: WPO before
+    :func:`check_dpo` (whose message names the log-prob level's ``log_sum_sq_probs``), with ``types`` (the checked
+    mixture) "aot" with LD weights."""
+    if types is None:
+        check_flag("use_weighting", p.use_weighting)
+        if p.use_weighting:
+            raise ValueError("use_weighting=True (WPO) needs each token's log sum_v p_v^2, which the logits and "
+                             "hidden-state levels do not compute: use hk.losses.dpo, which takes it as "
+                             "log_sum_sq_probs (TRL's WPO input)")
+        return
     if "aot" in types and p.ld_alpha is not None:
         raise ValueError("loss_type 'aot' with ld_alpha needs the policy's and the reference's own LD-weighted sums, "
                          "which the sequence-level kernels do not form: use hk.losses.dpo")
@@ -192,11 +198,11 @@ def check_label_range(labels, V, ignore_index):
         idx = bad.nonzero()[0].tolist()
         return f"; got {int(labels[tuple(idx)])} at index {idx}"
 
-    _device_check((((labels >= 0) & (labels < V)) | (labels == ignore_index)).all(),
+    device_check((((labels >= 0) & (labels < V)) | (labels == ignore_index)).all(),
                   f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}", where)
 
 
-def _device_check(ok, msg, detail=None):
+def device_check(ok, msg, detail=None):
     """``ok`` (a 0-d bool tensor) or fail: a device-side assert on an accelerator (no host sync), a ``ValueError``
     with ``msg`` (and ``detail()``, computed only then) on the CPU."""
     if ok.device.type != "cpu":
@@ -228,14 +234,22 @@ def check_logits(logits, labels, p, validate):
         check_label_range(labels, logits.shape[-1], p.ignore_index)
 
 
+def check_ref(p, ref_logps, labels):
+    """``ref_logps`` shaped like ``labels``, fp32/64; None only where the loss has no reference or takes None as
+    one of 0 (``p.needs_ref``: the sequence-level primitive; SimPO and SLiC pass None themselves)."""
+    if ref_logps is None and p.needs_ref:
+        raise ValueError(f"ref_logps must be a torch.Tensor of the reference's log-probs shaped like labels "
+                         f"{list(labels.shape)}, got None ({p.name} needs a reference)")
+    if ref_logps is not None:
+        check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+
+
 def check_logits_loss(logits, labels, ref_logps, p, validate):
-    """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` shaped like ``labels``, fp32/64 (None
-    passes: a reference of 0)."""
+    """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` (:func:`check_ref`)."""
     check_logits(logits, labels, p, validate)
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
-    if ref_logps is not None:
-        check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+    check_ref(p, ref_logps, labels)
 
 
 def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
@@ -263,10 +277,10 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
         check_label_range(labels, weight.shape[0], p.ignore_index)
 
 
-def check_packed(name, x, labels, ref_logps, packed):
+def check_packed(name, x, labels, ref_logps, packed, p=None):
     """A packed batch (:class:`~humanline_kernels.Packed`): ``x`` (``logits``, ``hidden`` or ``logps``) is
     ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]`` (``labels`` is checked against
-    ``x`` by the level's own check; ``ref_logps`` shaped like it)."""
+    ``x`` by the level's own check; ``ref_logps`` shaped like it, :func:`check_ref` for the loss ``p``)."""
     from ._layout import Packed
     if not isinstance(packed, Packed):
         raise ValueError(f"packed must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
@@ -275,26 +289,31 @@ def check_packed(name, x, labels, ref_logps, packed):
     if not isinstance(x, torch.Tensor) or x.dim() not in ((1, 2) if per_token else (2, 3)) or (
             x.dim() == (2 if per_token else 3) and x.shape[0] != 1):
         want = "[N] or [1, N]" if per_token else "[N, V] or [1, N, V]" if name == "logits" else "[N, D] or [1, N, D]"
-        raise ValueError(f"{name} must have shape {want} for a packed batch, got {_shape(x)}")
-    if ref_logps is not None:
+        got = _shape(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise ValueError(f"{name} must have shape {want} (a tensor) for a packed batch, got {got}")
+    if p is not None:
+        check_tensor("labels", labels, dtypes=(torch.int64,), device=x.device)
+        if tuple(labels.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"labels must have shape {list(x.shape[:-1])} ({name} without its last dimension), "
+                             f"got {_shape(labels)}")
+        check_ref(p, ref_logps, labels)
+    elif ref_logps is not None:
         check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
 
 
 def check_supervised(labels, covered, ignore_index):
     """No label outside the ``supervised`` ranges: ``covered`` (the labels at the ranges' positions) holds every
     label of ``labels`` that is not ``ignore_index``. A device-side assert, as :func:`check_label_range`."""
-    _device_check((labels != ignore_index).sum() == (covered != ignore_index).sum(),
+    device_check((labels != ignore_index).sum() == (covered != ignore_index).sum(),
                   "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)")
 
 
 def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
-    """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` shaped like ``labels``, fp32/64 (None
-    passes: a reference of 0)."""
+    """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` (:func:`check_ref`)."""
     check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {_shape(hidden)}")
-    if ref_logps is not None:
-        check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
+    check_ref(p, ref_logps, labels)
 
 
 # ------------------------------------------------------------------ TRL 1.16's loss options (hk.reference, hk.losses)

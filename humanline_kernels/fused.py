@@ -32,7 +32,7 @@ from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
 from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
-from .ops.constants import named_metrics
+from .ops.constants import LOGP_PLANE, MODE_GRPO, named_metrics
 from .ops.logprobs import eager as logprobs_eager
 
 __all__ = ["token_logprobs", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo", "slic"]
@@ -118,10 +118,35 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     return (logp, ent) if return_entropy else logp
 
 
+def _owed(ctx, p, at):
+    """Which of a loss's other inputs want a gradient, ``(ref_logps, advantages, kl_ref_logps, normalizer)``: the
+    autograd.Function's arguments from ``at`` on (the reference, then GRPO's inputs; KTO's KL rows get none, as in
+    ``hk.reference``). None when none does: nothing more is kept for the backward then."""
+    n = ctx.needs_input_grad
+    grpo = p.mode == MODE_GRPO
+    owed = (n[at], grpo and n[at + 1], grpo and n[at + 2], grpo and n[at + 3])
+    return owed if any(owed) else None
+
+
+def _input_grads(p, owed, labels, aux, ref, inputs, loss, g, grad_loss):
+    """The gradients of ``(ref, *inputs)`` that the row kernels do not form (:func:`losses.input_grads`, at the
+    policy log-probs the row kernel wrote in ``aux``); ``g = d loss / d val`` per row ``[B, 1]`` (grad_output
+    included). A tensor normalizer of "dapo" / "bnpo" divides the loss: ``d loss / d normalizer = -loss /
+    normalizer``."""
+    inp = p.Inputs(*inputs) if p.mode == MODE_GRPO else None  # (only GRPO's inputs have gradients)
+    d = losses.input_grads(p, aux[LOGP_PLANE[p.mode]], ref, labels != p.ignore_index, inp, g, owed[:3])
+    out = [None if x is None else x.to(t.dtype) for x, t in zip(d, (ref, *inputs))] + [None] * len(inputs)
+    if owed[3]:
+        norm = inp.normalizer
+        out[3] = (-grad_loss * loss / norm.reshape(())).to(norm.dtype).expand(norm.shape)
+    return tuple(out[:1 + len(inputs)])
+
+
 class _FusedLoss(torch.autograd.Function):
     """``(loss, metrics [K])`` of the loss ``p`` on the kernel path: the row kernel (per-token ``val``, ``coef``),
     then the loss's finalize kernel (sums, loss, metrics and the row weights ``w = d loss / d val``); the backward
-    is one launch: ``dlogits = grad_loss * w * coef * (onehot - softmax) / T``. ``inputs``: the loss's
+    is one launch: ``dlogits = grad_loss * w * coef * (onehot - softmax) / T``, and, for a reference or advantages
+    that require grad, small ``[B, T]`` ops (:func:`_input_grads`). ``inputs``: the loss's
     :attr:`~humanline_kernels._params.Loss.Inputs`, flattened."""
 
     @staticmethod
@@ -130,22 +155,29 @@ class _FusedLoss(torch.autograd.Function):
         inp = p.Inputs(*inputs)
         val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp, segs=tokens)
         loss, met, w = FIN.FINALIZE[p.name](val, aux, labels, p, inp)
-        ctx.save_for_backward(logits, labels, lse, coef, w, tokens)
-        ctx.cfg = (p, inplace, len(inputs))
+        owed = _owed(ctx, p, 5)
+        ctx.save_for_backward(logits, labels, lse, coef, w, tokens, *((aux, ref, loss, *inputs) if owed else ()))
+        ctx.cfg = (p, inplace, len(inputs), owed)
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for the metrics
         return loss, met
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_met):
-        p, inplace, n = ctx.cfg
+        p, inplace, n, owed = ctx.cfg
         if grad_loss is None:
             return (None,) * (6 + n)
-        logits, labels, lse, coef, w, tokens = ctx.saved_tensors
-        d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                       out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
-                                       segs=tokens)
-        return (None, None, None, d) + (None,) * (2 + n)
+        logits, labels, lse, coef, w, tokens, *side = ctx.saved_tensors
+        more = (None,) * (1 + n)
+        if owed:  # before the logits' gradient, which may overwrite them (not needed here: aux holds the log-probs)
+            aux, ref, loss, *inputs = side
+            more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
+        d = None
+        if ctx.needs_input_grad[3]:
+            d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                           out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
+                                           segs=tokens)
+        return (None, None, None, d, None) + more
 
 
 class _GrpoGradInForward(torch.autograd.Function):
@@ -161,20 +193,26 @@ class _GrpoGradInForward(torch.autograd.Function):
         val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
                                                segs=tokens)
         loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
-        ctx.save_for_backward(grad)
-        ctx.n = len(inputs)
+        owed = _owed(ctx, p, 5)
+        ctx.save_for_backward(grad, *((labels, w, aux, ref, loss, *inputs) if owed else ()))
+        ctx.cfg = (p, len(inputs), owed)
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)
         return loss, met
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_met):
+        p, n, owed = ctx.cfg
         if grad_loss is None:
-            return (None,) * (6 + ctx.n)
-        (grad,) = ctx.saved_tensors
+            return (None,) * (6 + n)
+        grad, *side = ctx.saved_tensors
+        more = (None,) * (1 + n)
+        if owed:
+            labels, w, aux, ref, loss, *inputs = side
+            more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
         # a device-side no-op when grad_loss == 1 (the usual case; no host sync to find out)
         _kernels()[0].scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
-        return (None, None, None, grad) + (None,) * (2 + ctx.n)
+        return (None, None, None, grad, None) + more
 
 
 class _Sequences(torch.autograd.Function):
@@ -190,8 +228,9 @@ class _Sequences(torch.autograd.Function):
         s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
-        ctx.save_for_backward(logits, labels, lse, coef, tokens)
-        ctx.cfg = (p, inplace)
+        owed = _owed(ctx, p, 5)
+        ctx.save_for_backward(logits, labels, lse, coef, tokens, *((aux, ref, token_weights) if owed else ()))
+        ctx.cfg = (p, inplace, owed)
         ctx.mark_non_differentiable(n, met)
         ctx.set_materialize_grads(False)
         return s, pol, n, met
@@ -200,13 +239,20 @@ class _Sequences(torch.autograd.Function):
     def backward(ctx, grad_s, grad_pol, _grad_n, _grad_met):
         if grad_s is None and grad_pol is None:
             return (None,) * 7
-        logits, labels, lse, coef, tokens = ctx.saved_tensors
-        p, inplace = ctx.cfg
+        logits, labels, lse, coef, tokens, *side = ctx.saved_tensors
+        p, inplace, owed = ctx.cfg
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.contiguous()  # autograd may expand a [B] 1
+        d_ref = None
+        if owed and grad_s is not None:  # the policy sums do not depend on the reference
+            aux, ref, tw = side
+            g = w[:, None] if tw is None else w[:, None] * tw.to(w.dtype)
+            d_ref = _input_grads(p, owed, labels, aux, ref, (), None, g, None)[0]
         add = None if grad_pol is None else grad_pol.contiguous()
-        d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                       out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
-        return None, None, None, d, None, None, None
+        d = None
+        if ctx.needs_input_grad[3]:
+            d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                           out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
+        return None, None, None, d, None, d_ref, None
 
 
 def _kernel_rows(p, logits, labels, ref_logps, inplace, token_weights=None, tokens=None):
@@ -255,17 +301,18 @@ def _logits_level(p, logits, labels, ref_logps, packed, validate):
     if packed is None:
         V.check_logits_loss(logits, labels, ref_logps, p, validate)
         return logits, labels, ref_logps, None
-    V.check_packed("logits", logits, labels, ref_logps, packed)
+    V.check_packed("logits", logits, labels, ref_logps, packed, p)
     V.check_logits(logits, labels, p, validate)
     x = logits.reshape(-1, logits.shape[-1])
-    tm = L.packed_map(packed, x.shape[0], x.device)
+    tm = L.packed_map(packed, x.shape[0], x.device, validate=validate)
     ref = None if ref_logps is None else L.unpack(ref_logps, tm, 0.0)
     return x, L.unpack(labels, tm, p.ignore_index), ref, (tm, labels)
 
 
-def _per_token(t, lay):
-    """A per-token input (``[N]`` of a packed batch, shaped like its labels) on the padded rows; others as given."""
-    return t if lay is None else L.unpack_like(t, *lay)
+def _per_token(t, lay, per_sequence=False):
+    """A per-token input (``[N]`` of a packed batch, shaped like its labels) on the padded rows; others as given
+    (``per_sequence``: advantages, whose ``[S]`` is one per sequence even when ``N == S``)."""
+    return t if lay is None else L.unpack_like(t, *lay, per_sequence)
 
 
 def _tokens(lay):
@@ -292,7 +339,7 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
                                  max_completion_length=max_completion_length, temperature=temperature,
                                  ignore_index=ignore_index)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
-    inp = GRPOInputs(_per_token(advantages, lay), _per_token(kl_ref_logps, lay), norm)
+    inp = GRPOInputs(_per_token(advantages, lay, True), _per_token(kl_ref_logps, lay), norm)
     V.check_grpo(p, labels.shape, ref_logps, inp)
     if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
         return _eager(p, logits, labels, ref_logps, inp, lay)
@@ -315,6 +362,7 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
+    V.check_fused_dpo(p)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
     mixture = V.check_dpo(p, labels.shape[0], ref_logps)
     V.check_fused_dpo(p, mixture[0])

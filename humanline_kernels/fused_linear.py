@@ -38,6 +38,8 @@ needed by :func:`token_logprobs` with gradient. For the reference model use :fun
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _layout as L
@@ -46,9 +48,9 @@ from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
 from ._params import DPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
-from .fused import _distinct
+from .fused import _distinct, _input_grads, _owed
 from .ops import linear as LC
-from .ops.constants import named_metrics
+from .ops.constants import AUX_PLANES, named_metrics
 
 __all__ = ["token_logprobs", "token_logprobs_nograd", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo",
            "slic", "CHUNK_BYTES"]
@@ -95,12 +97,12 @@ def _acc(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _planes(B, T, f, tm, kernels):
-    """The per-token planes ``(val, coef, lse, aux [4, B, T])`` the row kernels write chunk by chunk. A map may skip
-    positions: their labels are ignore_index, so the kernels never read them; the eager twins sum whole rows and
-    need zeros there."""
+def _planes(p, B, T, f, tm, kernels):
+    """The per-token planes ``(val, coef, lse, aux [AUX_PLANES, B, T])`` the row kernels write chunk by chunk. A map
+    may skip positions: their labels are ignore_index, so the kernels never read them; the eager twins sum whole
+    rows and need zeros there."""
     alloc = torch.empty if tm is None or kernels else torch.zeros
-    return tuple(alloc((B, T), **f) for _ in range(3)) + (alloc((4, B, T), **f),)
+    return tuple(alloc((B, T), **f) for _ in range(3)) + (alloc((AUX_PLANES[p.mode], B, T), **f),)
 
 
 def _sparse(tm, h2):
@@ -118,7 +120,7 @@ def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, valid
             return labels, ref_logps, None
         tm = L.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
     else:
-        V.check_packed("hidden", hidden, labels, ref_logps, packed)
+        V.check_packed("hidden", hidden, labels, ref_logps, packed, p)
         V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
         N, dev = labels.numel(), hidden.device
         tm = (L.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
@@ -198,7 +200,7 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     if supervised is not None:
         N = labels.numel()
         T = labels.shape[-1]  # (padded: the rows of labels [..., T])
-        R = N // T if T else 0
+        R = math.prod(labels.shape[:-1])  # (N // T, but also with T = 0)
         tm = L.flat(L.supervised_map(supervised, R, T, hidden.device, packed=packed, N=N))
         if validate:
             V.check_supervised(labels, labels.reshape(-1).index_select(0, tm.plane), ignore_index)
@@ -228,7 +230,7 @@ class _LinearSequences(torch.autograd.Function):
         B, T = labels.shape
         h2 = hidden.reshape(-1, hidden.shape[-1])
         f = dict(dtype=_acc(hidden), device=hidden.device)
-        out = _planes(B, T, f, tm, kernels)
+        out = _planes(p, B, T, f, tm, kernels)
         ref = torch.zeros((B, T), **f) if ref is None else ref.to(f["dtype"]).contiguous()
         chunks = LC.token_chunks(B * T, rows) if tm is None else LC.map_chunks("sequence", tm, rows)
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
@@ -240,8 +242,9 @@ class _LinearSequences(torch.autograd.Function):
         s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, coef)
-        ctx.cfg = (p, chunks, kernels, _sparse(tm, h2))
+        owed = _owed(ctx, p, 8)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, coef, *((aux, ref, token_weights) if owed else ()))
+        ctx.cfg = (p, chunks, kernels, _sparse(tm, h2), owed)
         ctx.mark_non_differentiable(n, met)
         ctx.set_materialize_grads(False)
         return s, pol, n, met
@@ -250,12 +253,19 @@ class _LinearSequences(torch.autograd.Function):
     def backward(ctx, grad_s, grad_pol, _grad_n, _grad_met):
         if grad_s is None and grad_pol is None:
             return (None,) * 10
-        hidden, weight, bias, labels, lse, coef = ctx.saved_tensors
-        p, chunks, kernels, sparse = ctx.cfg
+        hidden, weight, bias, labels, lse, coef, *side = ctx.saved_tensors
+        p, chunks, kernels, sparse, owed = ctx.cfg
         LP = LC.impl(kernels)[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.to(lse.dtype).contiguous()
+        d_ref = None
+        if owed and grad_s is not None:  # the policy sums do not depend on the reference
+            aux, ref, tw = side
+            g = w[:, None] if tw is None else w[:, None] * tw.to(w.dtype)
+            d_ref = _input_grads(p, owed, labels, aux, ref, (), None, g, None)[0]
+        if not any(ctx.needs_input_grad[4:7]):
+            return None, None, None, None, None, None, None, None, d_ref, None
         add = None if grad_pol is None else grad_pol.to(lse.dtype).contiguous()
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
         gbuf = LC.gather_buffer(chunks, h2)
@@ -267,7 +277,7 @@ class _LinearSequences(torch.autograd.Function):
         dh = None if dh is None else dh.view(hidden.shape)
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return None, None, None, None, dh, dw, db, None, None, None
+        return None, None, None, None, dh, dw, db, None, d_ref, None
 
 
 def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights=None, tm=None):
@@ -358,7 +368,7 @@ class _LinearLoss(torch.autograd.Function):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         grad, grpo = any(need), p.name == "grpo"
         f = dict(dtype=_acc(ref), device=hidden.device)
-        out = _planes(B, T, f, tm, kernels)
+        out = _planes(p, B, T, f, tm, kernels)
         val, coef, lse, _ = out
         dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need, _sparse(tm, h2)) if grad else (None, None, None)
         # the per-chunk launches read these whole-batch inputs as they are: cast and made contiguous once per call
@@ -385,10 +395,15 @@ class _LinearLoss(torch.autograd.Function):
                 LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
                                 segs=LC.kernel_segs(segs))
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
-        loss, met, _ = done if done is not None else finalize(val, out[3], labels, p, inp)
+        loss, met, w = done if done is not None else finalize(val, out[3], labels, p, inp)
         ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
         ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs),
                     LP if kernels else None)
+        # a reference (advantages, ...) that requires grad: what its gradient needs (the loss detached: an output
+        # kept on ctx would be a reference cycle)
+        owed = _owed(ctx, p, 9)
+        ctx.side = (p, owed, labels, out[3], ref, tuple(inp), loss.detach(), w,
+                    [None if t is None else t.dtype for t in inputs]) if owed else None
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)
         return loss, met
@@ -400,7 +415,12 @@ class _LinearLoss(torch.autograd.Function):
             return (None,) * (10 + n)
         dh = None if dh is None else (dh * go).view(h_shape)  # one kernel: a 0-d go does not promote dh
         dw, db = _scaled(dw, go, w_dtype, LP), _scaled(db, go, b_dtype, LP)
-        return (None,) * 5 + (dh, dw, db) + (None,) * (2 + n)
+        more = (None,) * (1 + n)
+        if ctx.side is not None:
+            p, owed, labels, aux, ref, inputs, loss, w, dtypes = ctx.side
+            more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (go * w)[:, None], go)
+            more = more[:1] + tuple(None if d is None else d.to(t) for d, t in zip(more[1:], dtypes))
+        return (None,) * 5 + (dh, dw, db, None) + more
 
 
 def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2,
@@ -420,12 +440,12 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
                                  loss_type=loss_type, normalizer=normalizer,
                                  max_completion_length=max_completion_length, temperature=temperature,
                                  ignore_index=ignore_index)
-    kernels = ops.use_kernels(hidden, ref_logps, kl_ref_logps)
     given = labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    inp = GRPOInputs(L.unpack_like(advantages, tm, given), L.unpack_like(kl_ref_logps, tm, given), norm)
+    inp = GRPOInputs(L.unpack_like(advantages, tm, given, True), L.unpack_like(kl_ref_logps, tm, given), norm)
     V.check_grpo(p, labels.shape, ref_logps, inp)
+    kernels = ops.use_kernels(hidden, ref_logps, kl_ref_logps)
     loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), tm, hidden, weight, bias,
                                   labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)
@@ -445,6 +465,7 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
+    V.check_fused_dpo(p)
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, pairs=p.fast)
     mixture = V.check_dpo(p, labels.shape[0], ref_logps)

@@ -267,6 +267,29 @@ def grpo_entropy_bonus(entropies, mask, *, entropy_coef, use_adaptive_entropy=Fa
     return (0.0 if gated else entropy_coef) * H, H
 
 
+def input_grads(p, logps, ref_logps, mask, inp, g, needs):
+    """The gradients a kernel path owes the loss's ``[B, T]`` inputs besides the logits (the row kernels
+    differentiate only the policy's log-probs): ``d/dx sum(g * val)`` for ``x`` in ``(ref_logps, advantages,
+    kl_ref_logps)``, each where ``needs`` asks for it (else None). ``val`` is the loss's masked per-token term, the
+    clamped log-ratio or GRPO's term, from the functions the eager path runs, at the policy log-probs ``logps`` that
+    the row kernel wrote; ``g = d loss / d val`` (``[B, 1]`` or ``[B, T]``). Small ``[B, T]`` tensors only."""
+    from .ops.constants import MODE_GRPO
+    with torch.enable_grad():
+        ref = ref_logps.detach().requires_grad_(needs[0])
+        val = clip_log_ratio(logps, ref, mask, p.clip)[0]
+        leaves = [ref]
+        if p.mode == MODE_GRPO:
+            A = inp.advantages.detach().requires_grad_(needs[1])
+            klr = ref if inp.kl_ref_logps is None else inp.kl_ref_logps.detach().requires_grad_(needs[2])
+            val = grpo_token_terms(logps, val, klr, A, mask, beta=p.beta, epsilon_low=p.epsilon_low,
+                                   epsilon_high=p.epsilon_high)[0]
+            leaves += [A, klr]
+        want = [t for t, n in zip(leaves, needs) if n]
+        got = torch.autograd.grad(val, want, g.to(val.dtype).expand_as(val), allow_unused=True)
+    got = iter(torch.zeros_like(t) if d is None else d for t, d in zip(want, got))  # unused: an exact 0
+    return [next(got) if n else None for n in needs]
+
+
 # ------------------------------------------------------------------ the sequence-level primitive
 def sequence_metrics(n_inside, n):
     """The primitive's metrics (detached 0-d): ``unclipped_frac``, ``n_tokens``, ``n_unclipped``."""
@@ -454,15 +477,17 @@ def grpo_params(*, clip, beta, epsilon_low, epsilon_high, loss_type, normalizer,
 
 
 # ------------------------------------------------------------------ layouts: a packed batch on the padded rows
-def unpacked(packed, logps, *per_token):
+def unpacked(packed, logps, *per_token, per_sequence=()):
     """The per-token tensors of a packed batch (``[N]`` or ``[1, N]``, shaped like ``logps``; others, e.g. one
     advantage per sequence, pass as they are) on the padded rows ``[S, T]`` that every loss is defined on (a scatter,
-    differentiable; :class:`~humanline_kernels.Packed`); all as given without one."""
+    differentiable; :class:`~humanline_kernels.Packed`); all as given without one. ``per_sequence``: the positions
+    in ``per_token`` of inputs that may hold one value per sequence (:func:`._layout.unpack_like`)."""
     if packed is None:
         return (logps, *per_token)
     V.check_packed("logps", logps, logps, None, packed)
     tm = L.packed_map(packed, logps.numel(), logps.device)
-    return tuple(L.unpack_like(t, tm, logps) for t in (logps, *per_token))
+    return (L.unpack_like(logps, tm, logps),
+            *(L.unpack_like(t, tm, logps, i in per_sequence) for i, t in enumerate(per_token)))
 
 
 def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):
@@ -581,7 +606,7 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     (logps, ref_logps, mask, advantages, kl_ref_logps, importance_sampling_ratio, tool_mask, sampling_per_token_logps,
      entropies, entropy_mask) = unpacked(packed, logps, ref_logps, mask, advantages, kl_ref_logps,
                                          importance_sampling_ratio, tool_mask, sampling_per_token_logps, entropies,
-                                         entropy_mask)
+                                         entropy_mask, per_sequence=(2, 4))
     p, norm = grpo_params(
         clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
         normalizer=normalizer, max_completion_length=max_completion_length,

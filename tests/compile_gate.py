@@ -203,7 +203,7 @@ def _cases():
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
         if labels_view:  # a labels[:, 1:] view (unaligned) as well as contiguous labels: separate specialisations
             y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]
-        aux = torch.empty((4, *f.shape), dtype=torch.float32, device="meta")
+        aux = torch.empty((5 if kind == "grpo" else 4, *f.shape), dtype=torch.float32, device="meta")
         if kind == "dpo":
             FK.dpo_finalize(f, aux, y, P.DPO())
         elif kind == "sequence":

@@ -207,6 +207,7 @@ def test_opcheck():
     lse = LPK.logprobs_fwd(x3, y, 1.0, -100, False)[1]
     g, w, f = torch.randn(2, 3), torch.randn(2), torch.empty(2, 3)
     aux, met = torch.rand(4, 2, 3), torch.empty(4)
+    aux5 = torch.rand(5, 2, 3)  # GRPO's row kernel writes a fifth plane (the log-probs)
     hl = torch.ops.humanline
     grpo_scalars = (2, True, -1.5, 1.5, 0.8, 1.2, 0.1, 1.0, -100, 6, 0, 0, None)
     # a token map (a packed batch, or a chunk of the supervised tokens only): logits row r is token tok[r]
@@ -216,7 +217,7 @@ def test_opcheck():
         (hl.logprobs_bwd_out, (x2, y, lse, g, w, -w, None, None, None, torch.empty_like(x2), 1.0, -100, 0, 0, 0,
                                tok)),
         (hl.token_terms_out, (x2, y, ref, None, torch.ones(2), w, torch.empty_like(x2), False, f, f.clone(),
-                              f.clone(), aux.clone(), *grpo_scalars[:-4], 0, 0, 0, tok)),
+                              f.clone(), aux5.clone(), *grpo_scalars[:-4], 0, 0, 0, tok)),
         (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), torch.empty(2, 3), 1 / 0.9, -100, 6, 0, 0, None)),
         (hl.logprobs_fwd_out, (x3, y, f, torch.empty(2, 3), None, 1.0, -100, 6, 0, 0, None)),
         (hl.logprobs_bwd_out, (x3, y, lse, g, None, None, None, None, None, torch.empty_like(x3), 1 / 0.9, -100, 6,
@@ -231,11 +232,11 @@ def test_opcheck():
         (hl.scale_rows_, (x.clone()[:, :-1], torch.tensor([2.0]))),
         (hl.scale_rows_out, (x3.float(), torch.tensor([2.0]), torch.empty_like(x3, dtype=torch.bfloat16))),
         (hl.token_terms_out, (x3, y, ref, None, torch.ones(2), None, None, False, f, f.clone(), f.clone(),
-                              aux.clone(), *grpo_scalars)),
+                              aux5.clone(), *grpo_scalars)),
         (hl.token_terms_out, (x3, y, ref, ref, torch.ones(2), w, torch.empty_like(x3), False, f, f.clone(),
-                              f.clone(), aux.clone(), *grpo_scalars)),
+                              f.clone(), aux5.clone(), *grpo_scalars)),
         (hl.token_terms_inplace, (x.clone()[:, :-1], y, ref, None, torch.ones(2), w, None, True, f, f.clone(),
-                                  f.clone(), aux.clone(), *grpo_scalars)),
+                                  f.clone(), aux5.clone(), *grpo_scalars)),
         (hl.dpo_finalize_out, (g, aux, y, torch.empty(()), torch.empty(5), torch.empty(2), 0.1, 0.1, -100, 0, 1)),
         (hl.kto_finalize_out, (g, aux, y, torch.tensor([True, False]), g, g - 1, y != -100, None, torch.empty(()),
                                met, torch.empty(2), 0.1, 1.0, 1.0, True, -1.5, 1.5, -100, 0, 2)),

@@ -4,6 +4,11 @@ from __future__ import annotations
 # what the row kernel (ops.token_terms) computes per token: the clipped log-ratio (DPO, KTO, the sequence-level
 # primitive) or GRPO's per-token term
 MODE_RATIO, MODE_GRPO = 1, 2
+# the row kernel's aux planes ([p < D < r]; then the policy's log-prob and two zero planes, or GRPO's low / high clip
+# indicators and k3, and GRPO's policy log-prob) and the plane of the policy's log-prob, which the kernel paths
+# differentiate the loss's other [B, T] inputs at (losses.input_grads)
+AUX_PLANES = {MODE_RATIO: 4, MODE_GRPO: 5}
+LOGP_PLANE = {MODE_RATIO: 1, MODE_GRPO: 4}
 
 # TRL 1.16's GRPO loss types, every one at the log-prob level (hk.reference, hk.losses)
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")

@@ -127,8 +127,9 @@ def chunks_buffer(chunks, V, dtype, device):
 def gather_buffer(chunks, h2):
     """The buffer for the largest gathered chunk's ``[n, D]`` hidden rows (and, in the backward, its ``dh``), or
     None when no chunk gathers. Its size is at most ``D / V`` of the logits buffer's."""
-    n = max((size(c) for c in chunks if _gathers(c)), default=0)
-    return torch.empty((n, h2.shape[1]), dtype=h2.dtype, device=h2.device) if n else None
+    sizes = [size(c) for c in chunks if _gathers(c)]
+    # (an empty one for a map without a token, e.g. supervised ranges all empty: its chunk still gathers)
+    return torch.empty((max(sizes), h2.shape[1]), dtype=h2.dtype, device=h2.device) if sizes else None
 
 
 def _gathers(segs):

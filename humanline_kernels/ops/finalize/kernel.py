@@ -2,8 +2,8 @@ r"""Triton kernels for the ``[B, T]`` tail of the fused losses: one launch per l
 
 The row kernel (:mod:`..token_terms.kernel`) leaves per token ``val`` (masked clipped log-ratio for DPO/KTO, masked
 GRPO term for GRPO), ``coef = d val / d logp`` and ``aux [4, B, T]`` = (inside the band, GRPO low clip, high clip,
-k3). A finalize kernel is one program that walks ``[B, T]`` in ``[BLOCK_B, BLOCK_T]`` tiles (fp32 sums, int64
-offsets; ``m = [label != ignore_index]``) and writes
+k3; GRPO's fifth plane, its log-prob, is not read here). A finalize kernel is one program that walks ``[B, T]`` in
+``[BLOCK_B, BLOCK_T]`` tiles (fp32 sums, int64 offsets; ``m = [label != ignore_index]``) and writes
 
 * ``loss`` (0-d), ``metrics [K]`` (the API's metric values, in the order of :data:`METRICS`), and
 * ``w [B]`` with ``d loss / d val[b, t] = w[b]`` for every masked token: the backward is then one launch,

@@ -121,51 +121,55 @@ def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
 
 
 @jit
-def _token(r, n0, off0, off1, tok_ptr, TOKEN_MAP: tl.constexpr):
+def _token(r, n0, off0, off1, tok_ptr, Q, TOKEN_MAP: tl.constexpr):
     """Token ``q`` (int64) of the ``[B, T]`` inputs and outputs for row ``r`` of the logits: ``r + off0`` for the
     first ``n0`` rows, ``r + off1`` after them, or with ``TOKEN_MAP`` the map's entry ``tok[r]``. The dense
     logits-level ops pass ``(N, 0, 0)`` (``q = r``); a fused-linear chunk (logits in a buffer of its own) passes its
     token ranges, at most two (a DPO chunk: chosen rows, then their rejected partners); a packed batch, or a chunk
-    of the supervised tokens only, passes the map (any rows to any tokens: docs/fused_linear.md)."""
+    of the supervised tokens only, passes the map (any rows to any tokens: docs/fused_linear.md). A map entry is
+    clamped into the ``Q`` tokens: whatever the map holds (boundaries left unchecked by ``validate=False``), no
+    program addresses outside the ``[B, T]`` tensors."""
     r64 = r.to(tl.int64)
     if TOKEN_MAP:
-        return tl.load(tok_ptr + r64).to(tl.int64)
+        return tl.minimum(tl.maximum(tl.load(tok_ptr + r64).to(tl.int64), 0), Q - 1)
     return r64 + tl.where(r64 < n0, off0, off1)
 
 
 @jit
-def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr, T, V, inv_t, ignore_index,
+def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr, Q, T, V, inv_t, ignore_index,
               BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, TOKEN_MAP: tl.constexpr):
     """Logits row ``r``, its token ``q`` (:func:`_token`): ``(row pointer, q, label, valid, lse, sum p*z, logp)``;
-    ``logp = z_y - lse``, 0 where ignored."""
+    ``logp = z_y - lse``, 0 where ignored, NaN for a label outside ``[0, V)`` (only unchecked labels,
+    ``validate=False``, reach the kernel so: the logit is not read, and the loss is NaN)."""
     base = _row_base(x_ptr, r, T, x_sb, x_st)
     lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
     # the token and its label after the sweep: nothing but the row pointer stays live across it (the entropy
     # variant spilled under triton 3.6 with the label, and with the token map's entry, loaded first)
-    q = _token(r, n0, off0, off1, tok_ptr, TOKEN_MAP)
+    q = _token(r, n0, off0, off1, tok_ptr, Q, TOKEN_MAP)
     y = tl.load(_row_base(y_ptr, q, T, y_sb, y_st))
     valid = y != ignore_index
-    zy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32) * inv_t
-    return base, q, y, valid, lse, pz, tl.where(valid, zy - lse, 0.0)
+    in_vocab = (y >= 0) & (y < V)
+    zy = tl.load(base + tl.where(valid & in_vocab, y, 0)).to(tl.float32) * inv_t
+    return base, q, y, valid, lse, pz, tl.where(valid, tl.where(in_vocab, zy - lse, float("nan")), 0.0)
 
 
-@jit(do_not_specialize=["n0", "off0", "off1"])
-def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, tok_ptr, T, V, inv_t,
+@jit(do_not_specialize=["Q", "n0", "off0", "off1"])
+def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, tok_ptr, Q, T, V, inv_t,
                          ignore_index, n0, off0, off1, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr,
                          TOKEN_MAP: tl.constexpr):
     """Logits row ``r``, token ``q`` (:func:`_token`): ``logp``, ``lse`` (and the entropy) of token ``q``."""
     r = tl.program_id(0)
     _base, q, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
-                                                   T, V, inv_t, ignore_index, BLOCK_V, ENTROPY, TOKEN_MAP)
+                                                   Q, T, V, inv_t, ignore_index, BLOCK_V, ENTROPY, TOKEN_MAP)
     tl.store(logp_ptr + q, logp)
     tl.store(lse_ptr + q, lse)
     if ENTROPY:
         tl.store(ent_ptr + q, tl.where(valid, lse - pz, 0.0))
 
 
-@jit(do_not_specialize=["n0", "off0", "off1"])
+@jit(do_not_specialize=["Q", "n0", "off0", "off1"])
 def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, w2_ptr, go_ptr, gh_ptr, h_ptr,
-                         o_ptr, o_sb, o_st, tok_ptr, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go,
+                         o_ptr, o_sb, o_st, tok_ptr, Q, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go,
                          BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
                          TOKEN_MAP: tl.constexpr):
     """Logits row ``r``, token ``q`` (:func:`_token`): ``g = g[q]``, or with ``ROW_WEIGHT`` (the fused losses and
@@ -175,7 +179,7 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w
     (the backward is this one launch). With ``ENTROPY`` the token's entropy ``h[q]`` has the upstream gradient
     ``gh[q]`` too (a differentiable entropy: the entropy bonus of GRPO)."""
     r = tl.program_id(0)
-    q = _token(r, n0, off0, off1, tok_ptr, TOKEN_MAP)
+    q = _token(r, n0, off0, off1, tok_ptr, Q, TOKEN_MAP)
     base = _row_base(x_ptr, r, T, x_sb, x_st)
     out_base = _row_base(o_ptr, r, T, o_sb, o_st)
     y = tl.load(_row_base(y_ptr, q, T, y_sb, y_st))
@@ -261,7 +265,8 @@ def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Opt
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1),
             # sizes, scalars and the chunk's token ranges or map
-            T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
+            Q=labels.numel(), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0,
+            off1=off1,
             # constants
             BLOCK_V=block, ENTROPY=ent is not None, TOKEN_MAP=tok is not None, num_warps=warps)
 
@@ -304,8 +309,8 @@ def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optio
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), o_sb=o_sb, o_st=o_st,
             # sizes, scalars and the chunk's token ranges or map
-            T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0, off1=off1,
-            has_w2=int(w2 is not None), has_go=int(go is not None),
+            Q=labels.numel(), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0,
+            off1=off1, has_w2=int(w2 is not None), has_go=int(go is not None),
             # constants
             BLOCK_V=block, ROW_WEIGHT=w is not None, ENTROPY=gh is not None, TOKEN_MAP=tok is not None,
             num_warps=warps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ... import losses
-from ..constants import MODE_GRPO
+from ..constants import AUX_PLANES, MODE_GRPO
 from ..logprobs import eager as logprobs_eager
 
 
@@ -34,10 +34,10 @@ def _terms(logits, labels, ref, p, adv, klref, w_tok, grad_out):
     delta = logp - ref
     c = p.clip
     inside = mask if c is None else mask & (delta > c.log_eps_p) & (delta < c.log_eps_r)
-    aux = torch.zeros((4, *logp.shape), dtype=logp.dtype, device=logp.device)
+    aux = torch.zeros((AUX_PLANES[p.mode], *logp.shape), dtype=logp.dtype, device=logp.device)
     aux[0] = inside
     if grpo:
-        aux[1], aux[2], aux[3] = low, high, k3
+        aux[1], aux[2], aux[3], aux[4] = low, high, k3, torch.where(mask, logp, 0.0)
     else:
         aux[1] = torch.where(mask, logp, 0.0)
     if grad_out is not None:
@@ -67,12 +67,14 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
     n, V = logits.shape
     if out is None:  # (zeros: the positions no row maps to)
         dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        out = tuple(torch.zeros(shape, dtype=dt, device=logits.device) for shape in ((B, T),) * 3 + ((4, B, T),))
+        out = tuple(torch.zeros(shape, dtype=dt, device=logits.device)
+                    for shape in ((B, T),) * 3 + ((AUX_PLANES[p.mode], B, T),))
 
     def pick(t):
         return None if t is None else t.reshape(-1)[idx].view(1, n)
     res = _terms(logits.view(1, n, V), pick(labels), pick(ref_logps), p, pick(adv), pick(klref), pick(w_tok),
                  None if grad_out is None else grad_out.view(1, n, V))
     for dst, src in zip(out, res):
-        dst.view(*dst.shape[:-2], -1)[..., idx] = src.view(*src.shape[:-2], -1)
+        dst.view(*dst.shape[:-2], -1)[..., idx] = src.view(*src.shape[:-2], -1).to(dst.dtype)  # (fp64 hidden states,
+        # fp32 planes: as the dense path's copy_)
     return out

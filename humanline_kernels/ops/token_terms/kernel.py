@@ -10,8 +10,10 @@ For each row ``r = (b, t)`` the kernel finds ``lse`` and ``l = z_y - lse`` (onli
   ``coef = m (-A rho [A rho <= A clamp(rho)] [p <= D <= r] + beta (1 - exp(x)))`` (torch's tie rules for
   ``min`` and ``clamp`` give exactly this).
 
-``aux [4, N]`` fp32 (planes ``N`` apart) holds ``[p < D < r]``, then for GRPO the low/high clip indicators and
-``k3`` (metrics only), for ``MODE == 1`` the masked log-prob ``m * l`` and two zero planes.
+``aux [4, N]`` fp32 (planes ``N`` apart; ``[5, N]`` for GRPO) holds ``[p < D < r]``, then for GRPO the low/high
+clip indicators, ``k3`` (metrics only) and the log-prob ``m * l``, for ``MODE == 1`` the masked log-prob ``m * l``
+and two zero planes (the log-prob: what the other ``[B, T]`` inputs' gradients are taken at,
+:func:`humanline_kernels.losses.input_grads`).
 With ``GRAD`` (GRPO) the same program also writes ``dz = w_b * coef * (onehot(y) - softmax(z)) / T`` into
 ``grad``, where ``w_b = d loss / d val`` is the aggregation weight of row ``b``: the row is read once for the
 softmax statistics and once more while the gradient is written (from L2 only while the rows in flight fit in it;
@@ -29,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._jit import custom_op, jit, launcher
-from ..constants import MODE_GRPO
+from ..constants import AUX_PLANES, MODE_GRPO
 from ..logprobs.kernel import (
     _row_base,
     _row_grad_store,
@@ -50,17 +52,17 @@ def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
 
 
-@jit(do_not_specialize=["N", "n0", "off0", "off1", "adv_sb", "adv_st"])
+@jit(do_not_specialize=["N", "Q", "n0", "off0", "off1", "adv_sb", "adv_st"])
 def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr,
-                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, T, V, inv_t, ignore_index,
-                        clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr,
+                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, Q, T, V, inv_t,
+                        ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr,
                         MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr,
                         TOKEN_MAP: tl.constexpr):
     r = tl.program_id(0)  # row of the logits and of the gradient output
     plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
     # q: the token of the [B, T] inputs and outputs (:func:`_token`)
     base, q, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
-                                                  T, V, inv_t, ignore_index, BLOCK_V, False, TOKEN_MAP)
+                                                  Q, T, V, inv_t, ignore_index, BLOCK_V, False, TOKEN_MAP)
     delta = logp - tl.load(ref_ptr + q)
     if CLIP:
         dh = _clamp(delta, clip_lo, clip_hi)
@@ -98,6 +100,7 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
         tl.store(aux_ptr + plane + q, (valid & (rho < rho_lo) & (a < 0)).to(tl.float32))
         tl.store(aux_ptr + 2 * plane + q, (valid & (rho > rho_hi) & (a > 0)).to(tl.float32))
         tl.store(aux_ptr + 3 * plane + q, k3)
+        tl.store(aux_ptr + 4 * plane + q, logp)
     tl.store(val_ptr + q, val)
     tl.store(coef_ptr + q, coef)
     tl.store(lse_ptr + q, lse)
@@ -135,8 +138,8 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
             adv_sb=adv.stride(0) if grpo else 0, adv_st=adv.stride(1) if grpo and adv.dim() == 2 else 0,
             g_sb=g_sb, g_st=g_st,
             # sizes, scalars and the chunk's token ranges or map
-            N=aux.stride(0), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, clip_lo=clip_lo,
-            clip_hi=clip_hi, rho_lo=rho_lo, rho_hi=rho_hi, beta=beta, n0=n0, off0=off0, off1=off1,
+            N=aux.stride(0), Q=labels.numel(), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index,
+            clip_lo=clip_lo, clip_hi=clip_hi, rho_lo=rho_lo, rho_hi=rho_hi, beta=beta, n0=n0, off0=off0, off1=off1,
             # constants
             BLOCK_V=block, MODE=row_mode, CLIP=clip_on, HAS_KL_REF=klref is not None,
             GRAD=grad_inplace or grad is not None, TOKEN_MAP=tok is not None, num_warps=warps)
@@ -157,13 +160,14 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
     """``(val, coef, lse, aux)`` of ``logits [B, T, V]`` for the loss ``p`` (a params object of
     :mod:`humanline_kernels._params`: its mode, clip band, GRPO band and k3 weight, temperature, ignore_index)
     and, for GRPO, ``inp.advantages`` (``[B]`` or ``[B, T]``) and ``inp.kl_ref_logps``: fp32 ``[B, T]`` x3 and
-    ``aux [4, B, T]``.
+    ``aux [AUX_PLANES, B, T]`` (4 planes, GRPO 5).
 
     With ``row_weight [B]`` and ``grad_out`` (a buffer shaped like ``logits``, or ``logits`` itself: in place,
     its version counter bumped) the GRPO gradient is written too. ``out``: the four outputs to write into
-    (``val``, ``coef``, ``lse`` contiguous ``[B, T]``, ``aux`` ``[4, B, T]`` with any plane stride). ``segs``: a
-    fused-linear chunk's token ranges (:func:`..logprobs.kernel.chunk_rows`); ``logits`` and ``grad_out`` are
-    then the chunk's ``[n, V]`` buffer, every other tensor the whole batch's, and ``out`` is required.
+    (``val``, ``coef``, ``lse`` contiguous ``[B, T]``, ``aux`` ``[AUX_PLANES, B, T]`` with any plane stride).
+    ``segs``: a fused-linear chunk's token ranges (:func:`..logprobs.kernel.chunk_rows`); ``logits`` and
+    ``grad_out`` are then the chunk's ``[n, V]`` buffer, every other tensor the whole batch's, and ``out`` is
+    required.
     """
     B, T = labels.shape
     if out is None:
@@ -171,7 +175,7 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
         # every plane is written by the kernel, except under a token map (a packed batch) the padding positions,
         # whose labels are ignore_index: the finalize and backward kernels never read them
         val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
-        out = val, coef, lse, torch.empty((4, B, T), **f32)
+        out = val, coef, lse, torch.empty((AUX_PLANES[p.mode], B, T), **f32)
     grpo = p.mode == MODE_GRPO
     klref = _f32(inp.kl_ref_logps) if grpo else None
     adv = inp.advantages.to(torch.float32) if grpo else None
