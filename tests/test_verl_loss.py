@@ -1,8 +1,9 @@
 """verl's ``loss_mode='humanline'`` against oracles (runs in the verl environment; skipped without verl).
 
 * clamp off and reference == ``old_log_prob``: equals verl's own ``vanilla`` / ``gspo`` / ``sapo`` / ``cispo`` /
-  ``geo_mean`` on the same tensors (loss, gradient, the metrics verl reports), in every ``loss_agg_mode``, with
-  and without rollout IS weights and with the global-batch normalisers ``ppo_loss`` sets;
+  ``geo_mean`` on the same tensors, bit for bit (loss, gradient, the metrics verl reports), in every
+  ``loss_agg_mode``, with and without rollout IS weights and with the global-batch normalisers ``ppo_loss`` sets,
+  log-ratios beyond verl's [-20, 20] included;
 * clamp on: ``vanilla`` equals ``hk.reference.grpo`` (the aggregation modes it has); the mirrored modes equal
   verl's function at the clamped log-probs, with the gradient zero outside the band;
 * refusals by name, and the reference hand-over through ``humanline_ppo_loss``.
@@ -88,12 +89,24 @@ def test_mirrored_modes_equal_verl_with_the_clamp_off(mode, agg):
     cfg = actor_config(base=mode, agg=agg, info="global")
     want_loss, want_grad, want_m = call(get_policy_loss_fn(mode), logp, old, adv, mask, cfg, isw)
     loss, grad, m = humanline(logp, old, adv, mask, cfg, isw)
-    # log_prob reaches verl's function as ref + (log_prob - ref): one fp32 rounding of the sum
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)  # log_prob reaches verl as it is
     assert want_grad.abs().sum() > 0
-    for key in want_m:
-        assert m[key] == pytest.approx(want_m[key], rel=1e-4, abs=1e-5), key
+    assert m == {**want_m, "actor/humanline_unclipped_frac": 1.0}
+
+
+@pytest.mark.parametrize("mode", ["vanilla", *MIRRORED])
+def test_the_clamp_off_is_verls_loss_beyond_its_numerical_clamp(mode):
+    """Log-ratios beyond +-20 (verl clamps them in vanilla, SAPO and CISPO's ratio, not in GSPO, GMPO or CISPO's
+    log_prob factor): with the clamp off the loss and its gradient are still verl's own (issue 52: a [-20, 20]
+    clamp on every mode gave another loss, relative difference up to 0.36)."""
+    logp, old, adv, mask, isw = batch(seed=5, spread=1.0)
+    logp[0, :3] = old[0, :3] + torch.tensor([25.0, -30.0, 21.0])
+    logp[1, :2] = old[1, :2] - 40.0
+    cfg = actor_config(base=mode, agg="seq-mean-token-mean", info="global")
+    want_loss, want_grad, want_m = call(get_policy_loss_fn(mode), logp, old, adv, mask, cfg, isw)
+    loss, grad, m = humanline(logp, old, adv, mask, cfg, isw)
+    assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)
+    assert m == {**want_m, "actor/humanline_unclipped_frac": 1.0}
 
 
 # verl's aggregation -> hk.reference.grpo's loss_type (token-sum is "dapo" normalised by 1)
@@ -147,6 +160,7 @@ def test_refused_modes_are_named_with_the_reason(mode):
     ({"base_loss_mode": "my_loss"}, "must be one of"),
     ({"log_eps_p": -1.0, "log_eps_r": None}, "both be numbers or both be None"),
     ({"log_eps_p": 1.0, "log_eps_r": -1.0}, "log_eps_p must be <= log_eps_r"),
+    ({"log_eps_p": 0.5, "log_eps_r": 1.0}, r"policy_loss: log_eps_p <= 0 <= log_eps_r must hold"),
     ({"sync_every": 0}, "sync_every must be a positive int"),
     ({"reference": "lookahead"}, "reference must be one of"),
     ({"loss_mode": "vanilla"}, "loss_mode must be 'humanline'"),

@@ -58,9 +58,10 @@ class HumanlinePolicyLossConfig(PolicyLossConfig):
     Args:
         loss_mode: must be ``"humanline"`` (the registered mode that reads these fields).
         base_loss_mode: the verl loss whose humanline variant is trained (:data:`SUPPORTED_BASE_MODES`).
-        log_eps_p, log_eps_r: the clamp band of ``log pi - log pi_ref`` (the paper's -1.5, 1.5). Both ``None``
-            turns the clamp off; verl's own numerical clamp of the log-ratio to [-20, 20] then applies, so
-            ``base_loss_mode='vanilla'`` is exactly verl's ``vanilla`` against the reference.
+        log_eps_p, log_eps_r: the clamp band of ``log pi - log pi_ref`` (the paper's -1.5, 1.5; it must hold 0).
+            Both ``None`` turns the clamp off: the loss is then verl's own ``base_loss_mode`` function with the
+            reference as ``old_log_prob`` and ``log_prob`` as it is, in every mode (its own numerical clamps, e.g.
+            vanilla's [-20, 20], included; GSPO, CISPO and GMPO have none on the token log-ratio).
         sync_every: k, the sync period in optimizer steps (``engine.optimizer_step`` calls: mini-batches times
             ``ppo_epochs`` per verl step). Optimizer step t (counted from 0 over the run) syncs when
             ``t % k == 0``, before its update.
@@ -99,14 +100,14 @@ class HumanlinePolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.reference must be one of {REFERENCE_MODES}, got {self.reference!r}")
 
     @property
-    def clip(self) -> HumanlineClip:
-        """The band; with the clamp off, verl's own numerical clamp [-20, 20] (``compute_policy_loss_vanilla``)."""
+    def clip(self) -> Optional[HumanlineClip]:
+        """The band, or None with the clamp off (the loss is then verl's own ``base_loss_mode``)."""
         p, r = self.log_eps_p, self.log_eps_r
         if (p is None) != (r is None):
             raise ValueError("policy_loss.log_eps_p and log_eps_r must both be numbers or both be None (clamp off), "
                              f"got log_eps_p={p!r}, log_eps_r={r!r}")
         if p is None:
-            return HumanlineClip(-20.0, 20.0)
+            return None
         try:
             return HumanlineClip(p, r)
         except ValueError as e:

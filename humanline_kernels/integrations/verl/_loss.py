@@ -21,6 +21,10 @@ where masked). ``old_log_prob`` is not used: the ratio's denominator is the sync
   the gradient of ``log_prob`` (which is then :math:`\partial\hat\Delta`: zero outside the band); CISPO also
   multiplies ``log_prob`` itself by a detached weight, so its value uses :math:`\ell_{ref} + \hat\Delta` in place
   of :math:`\ell` and its gradient vanishes outside the band, as the humanline clamp's gradient does.
+* the clamp off (``log_eps_p = log_eps_r = None``): verl's own ``base_loss_mode`` function (``vanilla`` included),
+  called with ``old_log_prob = ref`` and ``log_prob`` itself, so exactly verl's loss against the reference (with
+  ``ref + Delta`` instead, a token with ``|Delta| > 20`` would leave verl's formula in the modes whose log-ratio
+  verl does not clamp to [-20, 20] itself: GSPO, CISPO's ``log_prob`` factor, GMPO).
 """
 from __future__ import annotations
 
@@ -90,6 +94,12 @@ def humanline_policy_loss(old_log_prob, log_prob, advantages, response_mask, los
     settings = _settings(config)
     ref = _reference(log_prob)
     mask = response_mask.bool()
+    if settings.clip is None:  # no clamp: verl's loss as it is, against the reference
+        base = get_policy_loss_fn(settings.base_loss_mode)
+        loss, metrics = base(old_log_prob=ref, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+                             loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights)
+        metrics["actor/humanline_unclipped_frac"] = 1.0
+        return loss, metrics
     delta_hat, n_in, n = clip_log_ratio(log_prob, ref, mask, settings.clip)
     if settings.base_loss_mode == "vanilla":
         loss, metrics = _vanilla(log_prob, delta_hat, ref, advantages, mask, loss_agg_mode, config, rollout_is_weights)
