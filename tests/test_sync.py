@@ -127,6 +127,24 @@ def test_load_state_dict_warns_on_different_every():
     assert s.step == 4 and s.is_sync_step
 
 
+def test_bad_arguments_are_value_errors():
+    """Not a module, a None reference, a malformed state dict: a ValueError naming the argument, at once (a dict
+    used to be accepted and fail with an AttributeError at the first sync)."""
+    pol = make(0)
+    for kw, match in ((dict(policy={"w": 1}, reference=make(1)), "policy must be a torch.nn.Module"),
+                      (dict(policy=pol, reference=None), "reference must be a torch.nn.Module"),
+                      (dict(policy=pol, reference=pol), "different modules"),
+                      (dict(policy=pol, reference=make(1), use_kernel="yes"), "use_kernel")):
+        with pytest.raises(ValueError, match=match):
+            hk.ReferenceSyncer(**kw)
+    s = hk.ReferenceSyncer(pol, make(1))
+    for state, match in (({}, "without step"), ([4, 1], "got list"), ({"step": True}, "step"),
+                         ({"step": 2, "every": 0}, "every"), ({"step": 2.0}, "step")):
+        with pytest.raises(ValueError, match=match):
+            s.load_state_dict(state)
+    assert s.step == 0  # nothing half-applied
+
+
 def test_recollects_after_to_and_assign_load():
     pol, ref = make(0), make(1)
     syncer = hk.ReferenceSyncer(pol, ref)
