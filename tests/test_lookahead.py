@@ -193,6 +193,11 @@ def test_ends_cleanly_mid_window_and_protocol_errors():
     state = hk.LookaheadReference(_same_init(), data, logps_fn, every=2).state_dict()
     with pytest.raises(ValueError, match="every=2 was saved"):
         hk.LookaheadReference(_same_init(), data, logps_fn, every=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="policy must be a torch.nn.Module"):
+        hk.LookaheadReference({"w": 1}, data, logps_fn)
+    for bad in ({"step": 1}, [state]):
+        with pytest.raises(ValueError, match="state must be a dict with step, every and window_refs"):
+            hk.LookaheadReference(_same_init(), data, logps_fn, every=2).load_state_dict(bad)
 
 
 def test_train_mode_of_every_submodule_is_restored():

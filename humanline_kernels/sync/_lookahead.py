@@ -51,6 +51,8 @@ class LookaheadReference:
     def __init__(self, policy: nn.Module, batches, logps_fn, *, every: int = 1):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
+        if not isinstance(policy, nn.Module):
+            raise ValueError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
         if not callable(logps_fn):
             raise ValueError(f"logps_fn must be callable as logps_fn(model, batch), got {type(logps_fn).__name__}")
         self.policy, self.logps_fn, self.every = policy, logps_fn, every
@@ -148,6 +150,9 @@ class LookaheadReference:
         ``state["step"]`` on (as a resumed data loader does). The stored reference log-probs of the current window
         are paired with its first batches (shapes are checked); the next sync step computes the next window from
         the restored policy, as the uninterrupted run would have."""
+        if not isinstance(state, dict) or not {"step", "every", "window_refs"} <= state.keys():
+            raise ValueError("LookaheadReference.load_state_dict: state must be a dict with step, every and "
+                             f"window_refs, as state_dict() returns, got {type(state).__name__}")
         if state.get("every") != self.every:
             raise ValueError(f"LookaheadReference.load_state_dict: every={state.get('every')} was saved, this "
                              f"object has every={self.every}")
