@@ -13,6 +13,9 @@ CPU smoke run of the same code.
 supervised tokens only (``supervised=`` ranges), and every peer on the same masks, against the dense GEMM floor;
 writes ``linear_masks.json`` / ``.png`` (ratio against the ignored share). Target (docs/design.md, issue 33): at
 50 % ignored, ``hk.fused_linear.dpo`` with ``supervised`` at most 0.55x the dense floor.
+
+``--live-bytes``: no timing and no GPU; the peak memory of ours per loss and of the floor at the given shape,
+counted on the CPU (bench/live_bytes.py), against the target (at most the floor's + 0.25 GiB).
 """
 from __future__ import annotations
 
@@ -160,7 +163,14 @@ def main(argv=None):
     p.add_argument("--profile", nargs="+", default=None, metavar="IMPL",
                    help="instead of timing: each named row (e.g. ours_dpo lm_head_gemm_fwd_bwd) under the torch "
                         "profiler, its device kernels per call by time (writes linear_profile.json)")
+    p.add_argument("--live-bytes", action="store_true",
+                   help="instead of timing: peak live bytes of one forward + backward (ours per loss, the floor) "
+                        "counted on the CPU with meta tensors and stubbed launches, against the memory target "
+                        "(bench/live_bytes.py; writes linear_live_bytes.json)")
     a = p.parse_args(argv)
+    if a.live_bytes:
+        from . import live_bytes
+        return live_bytes.run(a.out, a.rows, a.T, a.D, a.V, a.chunk_mib[0] << 20)
     if a.ignored is not None and any(not 0 <= x < 100 for x in a.ignored):
         p.error(f"--ignored takes percentages in [0, 100), got {a.ignored}")
     device = "cuda" if torch.cuda.is_available() and not a.quick else "cpu"

@@ -34,20 +34,22 @@ B, T, V, D = 2, 4, 16, 8
 
 
 @contextlib.contextmanager
-def stubbed_launches():
-    """Every Triton launch is a no-op, and CPU tensors take the compiled-kernel branch (as CUDA tensors would)."""
+def stubbed_launches(devices=("cpu",)):
+    """Every Triton launch is a no-op, and tensors of ``devices`` take the compiled-kernel branch (as CUDA tensors
+    would): CPU tensors here, ``meta`` ones for bench/live_bytes.py."""
     from triton.runtime.jit import JITFunction
 
     from humanline_kernels.ops import _jit
     global _TRITON_RUN
     run = _TRITON_RUN = JITFunction.run
     JITFunction.run = lambda self, *args, **kwargs: None
-    _jit.COMPILED_DEVICES.add("cpu")
+    added = [d for d in devices if d not in _jit.COMPILED_DEVICES]  # (a device routed already stays routed)
+    _jit.COMPILED_DEVICES.update(added)
     try:
         yield
     finally:
         JITFunction.run = run
-        _jit.COMPILED_DEVICES.discard("cpu")
+        _jit.COMPILED_DEVICES.difference_update(added)
 
 
 class _Utils:
