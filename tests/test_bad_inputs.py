@@ -211,3 +211,221 @@ def test_nan_logits_propagate_as_nan():
     lab = torch.zeros(2, 3, dtype=torch.long)
     loss, _ = hk.fused.dpo(lg, lab, torch.zeros(2, 3))
     assert torch.isnan(loss)
+
+
+# --- issue 52: bad input never corrupts memory, never returns a refused number, never drops a gradient ---------------
+
+def _packed_batch(seed=0, lens=(3, 5, 2), V=7):
+    g = torch.Generator().manual_seed(seed)
+    N = sum(lens)
+    return (torch.randn(N, V, generator=g), torch.randint(0, V, (N,), generator=g), torch.randn(N, generator=g),
+            list(lens))
+
+
+@pytest.mark.parametrize("cu, why", [([2, 5, 10], "first boundary not 0"), ([0, 5, 3, 10], "decreasing"),
+                                     ([0, 3, 8, 9], "not ending at N"), ([0, 1, 9, 10], "longer than max_seqlen")])
+@pytest.mark.parametrize("level", ["fused", "losses"])
+def test_tensor_cu_seqlens_are_checked(cu, why, level):
+    """Boundaries given as a tensor with max_seqlen (the device path, no host sync): every rule of the host list's,
+    a ValueError on a CPU tensor, as every other input check (issue 52: a first boundary != 0 wrote before the
+    start of a buffer and aborted the process; decreasing ones returned a loss)."""
+    x, y, ref, _ = _packed_batch(lens=(3, 5, 2))
+    packed = hk.Packed(torch.tensor(cu), max_seqlen=5)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease, end at the 10 packed"):
+        if level == "fused":
+            hk.fused.grpo(x, y, ref, torch.ones(len(cu) - 1), packed=packed)
+        else:
+            hk.losses.grpo(ref, ref, torch.ones(len(cu) - 1), y >= 0, packed=packed)
+
+
+def test_host_cu_seqlens_honour_max_seqlen():
+    x, y, ref, lens = _packed_batch()
+    with pytest.raises(ValueError, match="max_seqlen=4 is shorter than the longest packed sequence"):
+        hk.fused.dpo(x[:8], y[:8], ref[:8], packed=hk.Packed([0, 3, 8], max_seqlen=4))
+    with pytest.raises(ValueError, match="max_seqlen must be a non-negative int"):
+        hk.Packed([0, 3], max_seqlen=True)
+    with pytest.raises(ValueError, match="sequence of ints"):
+        hk.Packed([0, 2.5, 5])
+
+
+@pytest.mark.parametrize("cu", [[2, 5, 10], [0, 5, 3, 10], [0, 1, 9, 10], [-4, 9, 10], [0, 30, 10]])
+@pytest.mark.parametrize("interp", ["1", "0"], ids=["interpreter", "eager"])
+def test_unchecked_boundaries_stay_inside_the_buffers(cu, interp, monkeypatch):
+    """validate=False skips the device check of tensor boundaries: the map then clamps every position into its
+    sequence's row and the kernels clamp every map entry into the planes, so a broken layout gives an unspecified
+    result, never an access outside a buffer (the interpreter and the guard elements around the inputs would show
+    one)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    x, y, ref, _ = _packed_batch()
+    G = 64
+    buf = torch.full((G + x.numel() + G,), -7.25e3)
+    buf[G:G + x.numel()] = x.reshape(-1)
+    xg = buf[G:G + x.numel()].view(x.shape).requires_grad_()
+    packed = hk.Packed(torch.tensor(cu), max_seqlen=5)
+    loss = hk.fused.grpo(xg, y, ref, torch.ones(len(cu) - 1), packed=packed, validate=False, beta=0.04)[0]
+    loss.backward()
+    s, pol, _ = hk.fused.sequence_logratios(xg, y, ref, packed=packed, validate=False)
+    (s.sum() + pol.sum()).backward()
+    assert (buf[:G] == -7.25e3).all() and (buf[G + x.numel():] == -7.25e3).all()
+    torch.testing.assert_close(xg.detach(), x)
+
+
+def test_unchecked_labels_outside_the_vocabulary_give_nan():
+    """validate=False with a label outside [0, V): the row kernels do not read outside the row (the label is
+    masked) and the log-prob is NaN, so is the loss."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 3, 5, generator=g, requires_grad=True), torch.randint(0, 5, (2, 3), generator=g)
+    y[0, 1], y[1, 2] = 5, -7
+    lp = hk.token_logprobs(x, y, validate=False)
+    assert torch.isnan(lp[0, 1]) and torch.isnan(lp[1, 2]) and torch.isfinite(lp[1, :2]).all()
+    loss = hk.fused.dpo(x, y, torch.zeros(2, 3), validate=False)[0]
+    assert torch.isnan(loss)
+    loss.backward()  # (no access outside the logits either)
+
+
+def _grad_case(level, name, **kw):
+    """``(call, reference)`` taking the leaves ``(x, ref, adv, kl_ref, norm)`` of one loss."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V, D = 4, 5, 11, 6
+    h, W = torch.randn(B, T, D, generator=g), torch.randn(V, D, generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[1, :2] = -100
+    logits = h @ W.T
+    lp0 = hk.reference.token_logprobs(logits, y).detach()
+    data = dict(ref=lp0 + torch.randn(B, T, generator=g), adv=torch.randn(B, generator=g),
+                kl=lp0 + 0.5 * torch.randn(B, T, generator=g), norm=torch.tensor(7.0))
+    x = logits if level == "fused" else h
+    args = (x,) if level == "fused" else (x, W)
+    mod = getattr(hk, level)
+    clip = hk.HumanlineClip(-0.8, 0.6)
+    des = torch.tensor([True, False, True, True])
+
+    def call(x, ref, adv, kl, norm):
+        a = (*args[:-1], x) if level == "fused" else (x, W)
+        if name == "grpo":
+            return mod.grpo(*a, y, ref, adv, kl_ref_logps=kl, normalizer=norm, clip=clip, beta=0.05, **kw)[0]
+        if name == "kto":
+            return mod.kto(*a, y, ref, des, clip=clip)[0]
+        return getattr(mod, name)(*a, y, ref, clip=clip, **kw)[0]
+
+    def reference(x, ref, adv, kl, norm):
+        lp = hk.reference.token_logprobs(x if level == "fused" else x @ W.T, y)
+        m = y != -100
+        if name == "grpo":
+            return hk.reference.grpo(lp, ref, adv, m, kl_ref_logps=kl, normalizer=norm, clip=clip, beta=0.05)[0]
+        if name == "kto":
+            return hk.reference.kto(lp, ref, m, des, clip=clip)[0]
+        r = getattr(hk.reference, name)(lp, ref, m, clip=clip, **kw)
+        return r[0] if name != "sequence_logratios" else r[0].sum()
+    return call, reference, x, data
+
+
+@pytest.mark.parametrize("level", ["fused", "fused_linear"])
+@pytest.mark.parametrize("name, kw", [("dpo", {}), ("dpo", dict(loss_type="hinge")), ("kto", {}), ("ipo", {}),
+                                      ("grpo", {}), ("grpo", dict(grad_in_forward=True)),
+                                      ("sequence_logratios", {})], ids=str)
+def test_reference_and_advantages_receive_their_gradient(level, name, kw):
+    """On the kernel path, a reference that requires grad (a reference being trained), advantages (a learned
+    baseline), a separate KL reference and a tensor normalizer get the gradient hk.reference gives them (issue 52:
+    .grad stayed None)."""
+    if level == "fused_linear" and kw.get("grad_in_forward"):
+        pytest.skip("a logits-level keyword")
+    call, reference, x, data = _grad_case(level, name, **kw)
+    leaves = [x] + [data[k] for k in ("ref", "adv", "kl", "norm")]
+    used = [True, True] + [name == "grpo"] * 3
+    got_in = [t.clone().requires_grad_(u) for t, u in zip(leaves, used)]
+    want_in = [t.clone().requires_grad_(u) for t, u in zip(leaves, used)]
+    loss = call(*[t if u else None for t, u in zip(got_in, used)])
+    if name == "sequence_logratios":
+        loss = loss.sum()
+    want = reference(*[t if u else None for t, u in zip(want_in, used)])
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    names = [n for n, u in zip(["x", "ref_logps", "advantages", "kl_ref_logps", "normalizer"], used) if u]
+    got = torch.autograd.grad(loss, [t for t, u in zip(got_in, used) if u])  # (one backward: grad_in_forward's)
+    want = torch.autograd.grad(want, [t for t, u in zip(want_in, used) if u])
+    for n, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("level", ["fused", "fused_linear"])
+@pytest.mark.parametrize("name", ["dpo", "kto", "grpo", "ipo"])
+def test_ref_logps_none_is_refused_by_name(level, name):
+    x = torch.randn(2, 3, 5) if level == "fused" else torch.randn(2, 3, 4)
+    args = (x,) if level == "fused" else (x, torch.randn(5, 4))
+    y = torch.zeros(2, 3, dtype=torch.long)
+    extra = {"grpo": (torch.ones(2),), "kto": (torch.tensor([True, False]),)}.get(name, ())
+    with pytest.raises(ValueError, match="ref_logps must be a torch.Tensor"):
+        getattr(getattr(hk, level), name)(*args, y, None, *extra)
+    s, pol, _ = getattr(hk, level).sequence_logratios(*args, y, None)  # None: a reference of 0
+    assert s.shape == pol.shape == (2,)
+
+
+@pytest.mark.parametrize("level", ["fused", "fused_linear"])
+def test_wpo_refusal_names_what_the_level_takes(level):
+    x = torch.randn(2, 3, 5) if level == "fused" else torch.randn(2, 3, 4)
+    args = (x,) if level == "fused" else (x, torch.randn(5, 4))
+    with pytest.raises(ValueError, match=r"use_weighting=True \(WPO\) .* use hk.losses.dpo, which takes it as "
+                                         "log_sum_sq_probs"):
+        getattr(hk, level).dpo(*args, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), use_weighting=True)
+
+
+@pytest.mark.parametrize("band", [(0.5, 1.0), (-1.0, -0.2), (0.1, 0.1)])
+def test_clip_band_without_zero_is_refused(band):
+    with pytest.raises(ValueError, match="log_eps_p <= 0 <= log_eps_r"):
+        hk.HumanlineClip(*band)
+    hk.HumanlineClip(0.0, 0.0)  # (a band at 0 holds it)
+
+
+def test_packed_advantages_one_per_sequence_when_n_equals_s():
+    """A packed batch of S sequences with N == S positions: advantages [S] are one per sequence (found by the fuzz:
+    they were read as one per token), per token they are [1, N]."""
+    lp = torch.tensor([-0.5, -1.0, -0.2, -0.7])
+    ref, mask = lp + torch.tensor([0.1, -0.3, 0.2, 0.05]), torch.ones(4, dtype=torch.bool)
+    cu = [0, 1, 1, 3, 4]  # lengths 1, 0, 2, 1
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    pad = torch.zeros(4, 2)
+    pad[0, 0], pad[2, :2], pad[3, 0] = lp[0], lp[1:3], lp[3]
+    rpad = torch.zeros(4, 2)
+    rpad[0, 0], rpad[2, :2], rpad[3, 0] = ref[0], ref[1:3], ref[3]
+    mpad = pad != 0
+    want = hk.reference.grpo(pad, rpad, adv, mpad)[0]
+    got = hk.losses.grpo(lp, ref, adv, mask, packed=hk.Packed(cu))[0]
+    torch.testing.assert_close(got, want)
+    tok = torch.tensor([1.0, 2.0, -1.0, 0.5])
+    atok = torch.zeros(4, 2)
+    atok[0, 0], atok[2, :2], atok[3, 0] = tok[0], tok[1:3], tok[3]
+    torch.testing.assert_close(hk.losses.grpo(lp, ref, tok[None], mask, packed=hk.Packed(cu))[0],
+                               hk.reference.grpo(pad, rpad, atok, mpad)[0])
+
+
+def test_fused_linear_fp64_hidden_with_fp32_reference_in_chunks(monkeypatch):
+    """fp64 hidden states (the eager twins) with an fp32 reference over several chunks (found by the fuzz: a dtype
+    error writing the chunks' planes)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(2, 4, 3, dtype=torch.float64, generator=g), torch.randn(5, 3, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 5, (2, 4), generator=g)
+    ref = torch.randn(2, 4, generator=g)
+    loss = hk.fused_linear.kto(h, W, y, ref, torch.tensor([True, False]), chunk_bytes=4 * 5 * 8)[0]  # a row a chunk
+    lp = hk.reference.token_logprobs(h @ W.T, y).float()
+    torch.testing.assert_close(loss.float(), hk.reference.kto(lp, ref, y >= 0, torch.tensor([True, False]))[0])
+
+
+def test_supervised_ranges_all_empty(monkeypatch):
+    """Supervised ranges without a position (found by the fuzz: a TypeError gathering no hidden rows)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    h, W = torch.randn(1, 2, 3, requires_grad=True), torch.randn(5, 3)
+    y = torch.full((1, 2), -100)
+    s, pol, _ = hk.fused_linear.sequence_logratios(h, W, y, torch.zeros(1, 2), supervised=[[0, 0]])
+    assert s.tolist() == [0.0] and pol.tolist() == [0.0]
+
+
+def test_malformed_tensors_are_refused_before_anything_runs():
+    """A list where a tensor goes, at the layouts' own checks (found by the fuzz: AttributeError from inside)."""
+    x, y, ref, lens = _packed_batch()
+    with pytest.raises(ValueError, match="logits must have shape"):
+        hk.fused.dpo(x.tolist(), y, ref, packed=hk.Packed([0, 4, 10]))
+    with pytest.raises(ValueError, match="hidden must be a torch.Tensor"):
+        hk.fused_linear.grpo(None, torch.randn(7, 4), y[None], ref[None], torch.ones(1))
+    with pytest.raises(ValueError, match="ref_logps must be a torch.Tensor"):
+        hk.losses.dpo(ref[:4], ref[:4].tolist(), y[:4] >= 0, packed=hk.Packed([0, 2, 4]))
