@@ -96,6 +96,18 @@ def worker(rank, world, path, out):
         _worker_object(actor, ref).load_checkpoint(ckpt)
     assert all(torch.equal(r, a) for r, a in zip(shards(ref.engine.module), shards(actor.engine.module)))
 
+    # policy_loss.save_reference=False: the counter only; a resume warns and restarts the reference from the actor
+    actor.humanline.save_reference = False
+    saved_step = actor.humanline.step
+    small = os.path.join(out, "small")
+    actor.humanline.save_state(small)
+    assert os.listdir(small) == ["humanline_state.json"]
+    actor, ref = _engines(path, cfg)
+    with pytest.warns(UserWarning, match="no reference weights"):
+        actor.humanline.load_state(small)
+    assert all(torch.equal(r, a) for r, a in zip(shards(ref.engine.module), shards(actor.engine.module)))
+    assert actor.humanline.step == saved_step
+
 
 def test_verl_worker_resumes_exactly(tmp_path):
     from _verl_cpu import save_tiny_llama

@@ -68,6 +68,9 @@ class HumanlinePolicyLossConfig(PolicyLossConfig):
         reference: ``"sync"`` (humanline syncing) or ``"frozen"`` (clamp only, the reference never moves).
         fused_logprobs: route verl's fused-kernel forward (``model.use_fused_kernels=True`` with
             ``fused_kernel_options.impl_backend=triton``) through ``hk.fused_linear.token_logprobs``.
+        save_reference: write the reference's shards into each actor checkpoint (``<local_path>/humanline``), so a
+            resumed run is exactly the uninterrupted one; ``False`` saves the counter only (a resume restarts the
+            reference from the resumed actor, with a warning).
     """
 
     loss_mode: str = "humanline"
@@ -77,6 +80,7 @@ class HumanlinePolicyLossConfig(PolicyLossConfig):
     sync_every: int = 1
     reference: str = "sync"
     fused_logprobs: bool = False
+    save_reference: bool = True
 
     def __post_init__(self):
         parent = getattr(super(), "__post_init__", None)
@@ -98,6 +102,8 @@ class HumanlinePolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.sync_every must be a positive int, got {k!r}")
         if self.reference not in REFERENCE_MODES:
             raise ValueError(f"policy_loss.reference must be one of {REFERENCE_MODES}, got {self.reference!r}")
+        if not isinstance(self.save_reference, bool):
+            raise ValueError(f"policy_loss.save_reference must be a bool, got {self.save_reference!r}")
 
     @property
     def clip(self) -> Optional[HumanlineClip]:

@@ -41,10 +41,12 @@ class HumanlineReference:
         actor, ref: verl ``TrainingWorker`` objects in this process (``ActorRolloutRefWorker.actor`` / ``.ref``).
         every: k, in optimizer steps.
         sync: ``False`` for ``reference='frozen'``: nothing is synced or recomputed.
+        save_reference: :meth:`save_state` writes the reference's shards (``False``: the counter only).
     """
 
-    def __init__(self, actor, ref, every: int, sync: bool = True):
+    def __init__(self, actor, ref, every: int, sync: bool = True, save_reference: bool = True):
         self.actor, self.ref = actor, ref
+        self.save_reference = save_reference
         self.syncer = ReferenceSyncer(actor.engine.module, ref.engine.module, every=every) if sync else None
         self.syncs = 0           # syncs completed so far
         self._last_sync = -1     # the optimizer step of the last sync (-1: none yet)
@@ -99,7 +101,7 @@ class HumanlineReference:
         if self.syncer is None:
             return
         from ...sync._state import save_humanline_state
-        save_humanline_state(folder, syncer=self.syncer, extra={
+        save_humanline_state(folder, syncer=self.syncer, save_reference=self.save_reference, extra={
             "syncs": self.syncs, "last_sync": self._last_sync, "recomputed": self.recomputed,
             "from_old": self.from_old})
 

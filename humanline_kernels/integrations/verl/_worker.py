@@ -124,7 +124,8 @@ class HumanlineActorRolloutRefWorker(ActorRolloutRefWorker):
         self.actor.set_loss_fn(self.loss_fn)
         if self.ref is not None:
             self.actor.humanline = HumanlineReference(self.actor, self.ref, every=settings.sync_every,
-                                                      sync=settings.reference == "sync")
+                                                      sync=settings.reference == "sync",
+                                                      save_reference=settings.save_reference)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_reference(self):
