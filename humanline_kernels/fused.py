@@ -324,7 +324,8 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
          ignore_index=-100, validate=True, grad_in_forward=False, inplace_backward=False, packed=None):
     """Humanline GRPO from ``logits [B, T, V]``; same keywords and result as :func:`humanline_kernels.losses.grpo`.
     ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, ``logits [N, V]`` (or ``[1, N, V]``)
-    and per-token tensors ``[N]``, advantages ``[S]`` or ``[N]`` (docs/fused_linear.md, "Layouts").
+    and per-token tensors ``[N]``, advantages ``[S]`` (one per sequence, also when ``N == S``) or ``[N]`` / ``[1, N]``
+    (docs/fused_linear.md, "Layouts").
 
     ``grad_in_forward=True`` (kernel path, when grad is enabled and ``logits`` requires it) writes
     ``d loss / d logits`` for ``grad_output = 1`` during the forward pass: GRPO's per-token term depends only on its

@@ -433,7 +433,8 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     that may carry a label (TRL's completions): the lm_head GEMMs and the row kernels run on those positions only
     (6 D V flops a supervised token instead of a position), every other position counts as ignored and gets an
     exact 0 gradient. ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, ``hidden [N, D]`` (or
-    ``[1, N, D]``), per-token tensors ``[N]``, advantages ``[S]`` or ``[N]``; its boundaries are read on the host
+    ``[1, N, D]``), per-token tensors ``[N]``, advantages ``[S]`` or ``[N]`` (``[1, N]`` when ``N == S``, as ``[S]`` is
+    one per sequence then); its boundaries are read on the host
     (pass ``cu_seqlens`` on the CPU). Both: docs/fused_linear.md, "Layouts"."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,

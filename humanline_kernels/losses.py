@@ -595,9 +595,10 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     caller (TRL's takes its quantile over every rank's tokens); it replaces the quantile of this batch that
     ``top_entropy_quantile`` asks for, and needs ``top_entropy_quantile < 1``.
 
-    ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, every per-token input ``[N]`` (moved to
-    the padded rows; "dr_grpo" without ``max_completion_length`` then divides by the longest sequence, as padded
-    rows as wide as it would).
+    ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, every per-token input ``[N]`` or ``[1, N]``
+    (moved to the padded rows; a 1-D ``advantages`` or ``importance_sampling_ratio`` of ``S`` values is one per
+    sequence, also when ``N == S``); "dr_grpo" without ``max_completion_length`` then divides by the padded width:
+    ``max_seqlen`` when given, else the longest sequence.
 
     Metrics: ``unclipped_frac``, ``kl``, ``clip_frac_low``, ``clip_frac_high``; with ``entropies``: ``entropy``,
     ``entropy_sum``, ``entropy_tokens`` (an adaptive-entropy controller's window terms); with the entropy bonus:

@@ -871,7 +871,9 @@ def main(argv=None):
     try:
         fuzz()
     finally:
-        print("FUZZ " + json.dumps({"cases": sum(counts.values()), "counts": counts}), flush=True)
+        paths = sorted({path for path, _ in _jit.LAUNCHES})  # compiled / interpreted / eager launches seen
+        print("FUZZ " + json.dumps({"cases": sum(counts.values()), "counts": counts, "launch_paths": paths}),
+              flush=True)
     return 0
 
 

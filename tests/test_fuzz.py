@@ -60,7 +60,8 @@ def test_fuzz_public_api(tmp_path, capsys):
     _report(capsys, "fuzz (CPU: Triton interpreter and eager paths)", summary)
     assert summary["cases"] == EXAMPLES
     outcomes = {key.rsplit(": ", 1)[1] for key in summary["counts"]}
-    assert {"ok", "refused"} <= outcomes, summary  # both oracles were exercised
+    assert {"ok", "refused", "unchecked"} <= outcomes, summary  # every oracle was exercised
+    assert "interpreted" in summary["launch_paths"], summary  # the Triton kernels ran, in the interpreter
 
 
 @pytest.mark.gpu
@@ -68,14 +69,16 @@ def test_fuzz_public_api_cuda(tmp_path, capsys):
     """The same fuzz on the compiled kernels, each launch synchronous (a fault is named by its case); the value
     checks that are device-side asserts on CUDA are left out (they end the context), their validate=False twins
     run. With compute-sanitizer on the image, a sample of the cases runs under its memcheck as well."""
-    summary = _fuzz(tmp_path, "--device", "cuda", "--examples", str(EXAMPLES),
-                    env={"CUDA_LAUNCH_BLOCKING": "1"}, timeout=3600 if LONG else 900)
+    n = int(os.environ.get("HK_FUZZ_EXAMPLES", 5000 if LONG else 300))  # (each new shape compiles its kernels)
+    summary = _fuzz(tmp_path, "--device", "cuda", "--examples", str(n), env={"CUDA_LAUNCH_BLOCKING": "1"},
+                    timeout=3600 if LONG else 540)
     _report(capsys, "fuzz (CUDA, compiled kernels)", summary)
-    assert summary["cases"] == EXAMPLES
+    assert summary["cases"] == n
+    assert "compiled" in summary["launch_paths"] and "interpreted" not in summary["launch_paths"], summary
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not on this image (the CUDA_LAUNCH_BLOCKING run above passed)")
-    sample = _fuzz(tmp_path, "--device", "cuda", "--examples", "40", prefix=(sanitizer, "--tool", "memcheck",
-                                                                             "--error-exitcode", "99"),
-                   timeout=1800)
+    k = os.environ.get("HK_FUZZ_SANITIZER_EXAMPLES", "20")
+    sample = _fuzz(tmp_path, "--device", "cuda", "--examples", k, "--seed", "5252",
+                   prefix=(sanitizer, "--tool", "memcheck", "--error-exitcode", "99"), timeout=3600 if LONG else 540)
     _report(capsys, "fuzz under compute-sanitizer memcheck", sample)
