@@ -134,7 +134,8 @@ def test_bad_arguments_are_value_errors():
     for kw, match in ((dict(policy={"w": 1}, reference=make(1)), "policy must be a torch.nn.Module"),
                       (dict(policy=pol, reference=None), "reference must be a torch.nn.Module"),
                       (dict(policy=pol, reference=pol), "different modules"),
-                      (dict(policy=pol, reference=make(1), use_kernel="yes"), "use_kernel")):
+                      (dict(policy=pol, reference=make(1), use_kernel="yes"), "use_kernel"),
+                      (dict(policy=pol, reference=make(1), overlap="yes"), "overlap must be a bool")):
         with pytest.raises(ValueError, match=match):
             hk.ReferenceSyncer(**kw)
     s = hk.ReferenceSyncer(pol, make(1))

@@ -60,11 +60,13 @@ class ReferenceSyncer:
                                  f"{type(m).__name__}")
         if policy is reference:
             raise ValueError("policy and reference must be different modules")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {overlap!r}")
         if use_kernel not in (None, True, False):
             raise ValueError(f"use_kernel must be None, True or False, got {use_kernel!r}")
         self.policy, self.reference = policy, reference
         self.every = every
-        self.overlap = bool(overlap)
+        self.overlap = overlap
         self.use_kernel = use_kernel
         self._step = 0
         self._started = False     # a copy was launched in the current step
