@@ -13,9 +13,11 @@ its maximum is the peak ``torch.cuda.max_memory_allocated`` would show for the s
 
 What it cannot see: allocations inside one op's own implementation (workspaces: cuBLAS keeps its workspace across
 calls, so the GPU bench counts it in the baseline, not in the call) and the caching allocator's fragmentation
-(``memory_reserved``, not what the bench reads). One device-dependent branch is pinned to CUDA's: the fp32 ``dW``
-accumulation is an ``addmm(out_dtype=float32)`` there (torch >= 2.8), while a CPU or meta tensor would take the
-``upcast`` fallback, which allocates fp32 copies of each chunk's operands that a GPU never holds.
+(``memory_reserved``, not what the bench reads). Which path a call takes is the package's public rule: a device type
+in ``humanline_kernels.ops._jit.COMPILED_DEVICES`` runs the compiled kernels (``stubbed_launches`` adds ``meta``),
+and ``dW`` accumulates in the weight's dtype on every device (docs/fused_linear.md, "dW's precision"), so no
+device-dependent branch is left to pin. (Before issue 54 the fp32 ``dW`` accumulator was an
+``addmm(out_dtype=float32)`` on CUDA and an upcast of each chunk's operands elsewhere, which this counter pinned.)
 
 The protocol is ``bench linear``'s (``common.peak_extra_bytes`` after ``common.time_ms``): the call is the same
 closure (``h.grad = w.grad = None``, forward, ``.backward()``), measured after a warm call, so the previous call's
@@ -111,23 +113,12 @@ class LiveBytes(TorchDispatchMode):
 
 @contextlib.contextmanager
 def gpu_like_meta():
-    """``meta`` tensors down the compiled-kernel branch with Triton's launches stubbed, and the fp32 ``dW``
-    accumulation in CUDA's mode (see the module's docstring)."""
+    """``meta`` tensors down the compiled-kernel branch (``meta`` in ``COMPILED_DEVICES``, as ``cuda`` is) with
+    Triton's launches stubbed. Nothing else differs between a CUDA and a meta call (see the module's docstring)."""
     from bench.host_proxy import stubbed_launches
-    from humanline_kernels.ops import linear as LC
 
-    modes = getattr(LC, "_F32_ADDMM", None)  # (absent once dW is accumulated otherwise: nothing to pin)
-    saved = dict(modes) if modes is not None else None
-    if modes is not None:
-        for dt in (torch.bfloat16, torch.float16):
-            modes[("meta", dt)] = "addmm_out_dtype"
-    try:
-        with stubbed_launches(devices=("meta",)):
-            yield
-    finally:
-        if modes is not None:
-            modes.clear()
-            modes.update(saved)
+    with stubbed_launches(devices=("meta",)):
+        yield
 
 
 def inputs(B, T, D, V, dtype=torch.bfloat16, device="meta"):

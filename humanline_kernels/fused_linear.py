@@ -10,8 +10,9 @@ coefficients need -- single tokens for GRPO, whole rows for KTO (its KL rows ent
 ``z0``), whole chosen/rejected pairs (rows ``j`` and ``P + j``) for DPO -- so ``g = dL/dlogp`` is known inside the
 chunk: the row and finalize kernels of the logits path give it and write ``dL/dz`` in place into the buffer
 (nine launches forward + backward in one chunk; on CPU tensors and fp64 their eager twins do the same steps).
-``dh`` and the fp32 ``dW`` / ``db`` are formed during the forward pass; the backward only multiplies them by
-``grad_output`` (device-side, no host sync). Flops: 6 N D V (no recomputed GEMM). The loss value and metrics are
+``dh``, ``dW`` (both in the weight's dtype: ``dW`` adds one chunk a GEMM, rounded once a chunk) and the fp32 ``db``
+are formed during the forward pass; the backward only multiplies them by ``grad_output`` (device-side, no host sync;
+in place unless the graph is retained). Flops: 6 N D V (no recomputed GEMM). The loss value and metrics are
 those of ``hk.losses.*`` on the full batch.
 :func:`token_logprobs` (per-token ``grad_output`` is unknown in the forward) saves the fp32 log-sum-exp and
 recomputes the GEMM in its backward (8 N D V flops).
@@ -81,15 +82,29 @@ def _need(hidden, weight, bias):
 
 
 def _scaled(acc, go, dtype, LP):
-    """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary); on the kernel path (``LP``, the
-    call's log-prob kernel module) one vectorised Triton pass (``torch.mul`` runs this at 30 % of the bandwidth on
-    CUDA: ``ops.logprobs.kernel.scaled``)."""
+    """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary), a new tensor; on the kernel path
+    (``LP``, the call's log-prob kernel module) one vectorised Triton pass (``torch.mul`` runs this at 30 % of the
+    bandwidth on CUDA: ``ops.logprobs.kernel.scaled``)."""
     if acc is None:
         return None
     if LP is not None:
         return LP.scaled(acc, go, dtype)
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     return torch.mul(acc, go, out=out)
+
+
+def _graph_kept():
+    """Whether the running backward keeps the graph (``retain_graph`` / ``create_graph``): then the gradients formed
+    in the forward stay on ctx for the next backward and are scaled out of place. Unknown (the engine's query is
+    private: ``torch._C._autograd._get_current_graph_task_keep_graph``, present since torch 2.4 -- checked on 2.11
+    and 2.13): kept, the safe side."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if query is None:
+        return True
+    try:
+        return bool(query())
+    except RuntimeError:  # no graph task running (a backward called by hand)
+        return True
 
 
 def _acc(t):
@@ -173,9 +188,9 @@ class _LinearLogprobs(torch.autograd.Function):
             LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=LC.kernel_segs(segs),
                             grad_entropy=gh, entropy=ent)
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+        del buf, gbuf, z  # the chunk buffers go before anything else is allocated (run 3's +0.5 GiB)
         dh = None if dh is None else dh.view(hidden.shape)
-        dw = None if dw is None else dw.to(weight.dtype)
-        db = None if db is None else db.to(bias.dtype)
+        db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
         return None, None, None, None, None, dh, dw, db, None
 
 
@@ -274,9 +289,9 @@ class _LinearSequences(torch.autograd.Function):
             LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
                             segs=LC.kernel_segs(segs))
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+        del buf, gbuf, z  # the chunk buffers go before anything else is allocated
         dh = None if dh is None else dh.view(hidden.shape)
-        dw = None if dw is None else dw.to(weight.dtype)
-        db = None if db is None else db.to(bias.dtype)
+        db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
         return None, None, None, None, dh, dw, db, None, d_ref, None
 
 
@@ -410,11 +425,26 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, go, _grad_met):
-        (dh, dw, db), (h_shape, w_dtype, b_dtype, n, LP) = ctx.grads, ctx.meta
+        h_shape, _w_dtype, b_dtype, n, LP = ctx.meta
         if go is None:
             return (None,) * (10 + n)
-        dh = None if dh is None else (dh * go).view(h_shape)  # one kernel: a 0-d go does not promote dh
-        dw, db = _scaled(dw, go, w_dtype, LP), _scaled(db, go, b_dtype, LP)
+        if ctx.grads is None:
+            raise RuntimeError("Trying to backward through the fused-linear loss a second time: its dh and dW were "
+                               "handed to the first backward. Pass retain_graph=True to the first one.")
+        dh, dw, db = ctx.grads
+        # (dh times go by torch, as before issue 54: a 0-d go does not promote dh; 64 MiB at the bench's shape)
+        if _graph_kept():  # a later backward reads them again: new tensors
+            dh, dw = None if dh is None else dh * go, None if dw is None else dw.clone()
+        else:  # handed over, scaled in place; with ctx's reference gone, autograd takes them as .grad without a copy
+            ctx.grads = None
+            dh = None if dh is None else dh.mul_(go)
+        if dw is not None and dw.numel():  # dW *= go: on the kernel path one Triton pass, skipped on the device
+            if LP is not None:  # when go == 1 (no host sync); mul_ on the CPU scales bf16 by the fp32 go in fp32
+                LP.scale_rows_(dw.view(1, *dw.shape), go.to(torch.float32))
+            else:
+                dw.mul_(go)
+        dh = None if dh is None else dh.view(h_shape)
+        db = _scaled(db, go, b_dtype, LP)
         more = (None,) * (1 + n)
         if ctx.side is not None:
             p, owed, labels, aux, ref, inputs, loss, w, dtypes = ctx.side

@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import humanline_kernels as hk
+from bench import live_bytes as LB
 from humanline_kernels import ops
 from humanline_kernels.ops import linear as LC
 
@@ -71,7 +72,7 @@ def test_peak_memory_is_one_chunk(monkeypatch, interp):
     monkeypatch.setattr(LC, "new_buffer", lambda n, dt, dev: buffers.append(n) or real(n, dt, dev))
     full_logits = B * T * V * 4
     chunk = ROWS * V * 4
-    grads = 2 * V * D * 4  # fp32 dW accumulator + the returned weight.grad
+    grads = V * D * 4 + B * T * D * 4  # dW (accumulated in the weight's dtype, handed over as weight.grad) and dh
     with LiveBytes() as mem:
         _grpo(*_inputs())
     assert buffers == [ROWS * V]  # one reused buffer of one chunk
@@ -121,8 +122,8 @@ def test_losses_never_recompute_the_gemm(monkeypatch):
 @pytest.mark.parametrize("interp", ["0", "1"], ids=["eager", "triton"])
 def test_a_dpo_pair_chunk_runs_one_logits_and_one_dw_gemm(monkeypatch, interp):
     """A chunk of one pair holds two row ranges ``B/2`` rows apart: their hidden rows are gathered so that the
-    chunk has one lm_head GEMM and one ``dW`` accumulation (each of which reads and writes the fp32 ``[V, D]``
-    buffer: run 4's profile, 8 accumulations against GRPO's 4 at the same budget), ``dh`` per range."""
+    chunk has one lm_head GEMM and one ``dW`` accumulation (each of which reads and writes the whole ``[V, D]``
+    ``dW``: run 4's profile, 8 accumulations against GRPO's 4 at the same budget), ``dh`` per range."""
     monkeypatch.setenv("TRITON_INTERPRET", interp)
     h, w, y, ref, _ = _inputs()
     with GemmFlops() as fc:
@@ -197,14 +198,62 @@ def test_bench_quick_smoke(tmp_path, monkeypatch):
     assert all(rows[k]["ms"] for k in ("ours_dpo", "ours_kto", "eager_grpo"))
 
 
-@pytest.mark.parametrize("mode", ["upcast", "low_mm_add"])
-def test_dw_accumulation_modes(monkeypatch, mode):
-    # "low_mm_add" is the CUDA fallback when torch has no out_dtype GEMM: check it on CPU with bf16 inputs
-    monkeypatch.setitem(LC._F32_ADDMM, ("cpu", torch.bfloat16), mode)
-    g = torch.Generator().manual_seed(1)
-    a, b = torch.randn(40, 6, generator=g).bfloat16(), torch.randn(6, 5, generator=g).bfloat16()
-    acc = torch.full((40, 5), float("nan"))
-    LC._addmm_f32(acc, a, b, beta=0)  # first chunk: ignores the (uninitialised) accumulator
-    LC._addmm_f32(acc, a, b, beta=1)
-    want = 2 * (a.float() @ b.float())
-    torch.testing.assert_close(acc, want, atol=0.05 if mode == "low_mm_add" else 1e-5, rtol=1e-2)
+# --------------------------------------------------------------------------- dW in the weight's dtype (issue 54)
+def _bf16_grpo(N_rows=4, T=1024, D=32, V=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N_rows, T, D, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, D, generator=g) * 0.3).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (N_rows, T), generator=g)
+    y[:, :T // 4] = -100  # a prompt
+    ref = torch.randn(N_rows, T, generator=g) - 5
+    adv = torch.randn(N_rows, generator=g)
+    return h, w, y, ref, adv
+
+
+@pytest.mark.parametrize("interp", ["0", "1"], ids=["eager", "triton"])
+def test_dw_accumulates_in_the_weights_dtype_and_is_handed_over(monkeypatch, interp):
+    """``dW`` is one ``[V, D]`` tensor of the weight's dtype, accumulated in place chunk by chunk; the backward
+    scales it in place and autograd takes it as ``weight.grad`` without a copy (no second ``[V, D]``). Under
+    ``retain_graph`` it stays on ctx, and the next backward gives the same gradients."""
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    made = []  # (data pointer, dtype, shape): a reference kept here would make autograd copy the gradient
+    real = LC.alloc_grads
+
+    def alloc(*a, **k):
+        out = real(*a, **k)
+        made.append(tuple((t.data_ptr(), t.dtype, t.shape) for t in out[:2]))
+        return out
+    monkeypatch.setattr(LC, "alloc_grads", alloc)
+    h, w, y, ref, adv = _bf16_grpo(T=64)
+    loss, _ = hk.fused_linear.grpo(h, w, y, ref, adv, chunk_bytes=40 * 256 * 2)  # 7 chunks of 40 tokens
+    (dh, dw), = made
+    assert dw[1:] == (torch.bfloat16, w.shape) and dh[1:] == (torch.bfloat16, h.view(-1, 32).shape)
+    with LB.LiveBytes(granule=1) as mem:  # (the bench's counter: an in-place result is no allocation)
+        (loss * 3).backward()
+    assert w.grad.data_ptr() == dw[0] and h.grad.data_ptr() == dh[0]
+    assert mem.peak < 1024  # (autograd's seed and the like: nothing of dW's or dh's size)
+    want_w, want_h = w.grad.clone(), h.grad.clone()
+    w.grad = h.grad = None
+    loss, _ = hk.fused_linear.grpo(h, w, y, ref, adv, chunk_bytes=40 * 256 * 2)
+    first = torch.autograd.grad(loss * 3, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss * 3, (h, w))
+    for a, b, c in zip(first, second, (want_h, want_w)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(RuntimeError, match="a second time"):
+        torch.autograd.grad(loss, (h, w))
+
+
+def test_dw_precision_in_bf16_against_one_rounding():
+    """bf16 ``dW`` over ``k`` chunks is rounded once a chunk; in one chunk it is rounded once (what fp32
+    accumulation gives). At 1536 supervised tokens in 16 chunks the relative norm error between the two stays
+    within the contract's 1e-2 (bench/dw_accumulation.py measures it at the bench's shape: docs/fused_linear.md,
+    "dW's precision"); and the chunked result is really rounded more than once (the check can fail)."""
+    h, w, y, ref, adv = _bf16_grpo(T=512)
+    N, V = y.numel(), w.shape[0]
+
+    def dw(rows):
+        loss, _ = hk.fused_linear.grpo(h, w, y, ref, adv, chunk_bytes=rows * V * 2)
+        return torch.autograd.grad(loss, w)[0].double()
+    once, chunked = dw(N), dw(128)  # one chunk; 16 chunks of 128 tokens
+    err = float((chunked - once).norm() / once.norm())
+    assert 0 < err < 1e-2, err

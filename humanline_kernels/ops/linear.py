@@ -7,7 +7,8 @@ A *chunk* is a tuple of flat token ranges ``((s0, e0), (s1, e1), ...)`` of ``hid
 2. the row kernels on ``z``: log-probs, or a loss's token terms and finalize (the chunk loops are the
    ``autograd.Function``\ s of :mod:`humanline_kernels.fused_linear`; this module holds their pieces);
 3. when a gradient is wanted, ``dL/dz = g (onehot(y) - softmax(z/T)) / T`` overwrites the logits in the buffer;
-4. ``dh[c] = dz W``, ``dW += dz^T h_c`` (fp32 accumulator), ``db += sum_rows dz`` (fp32).
+4. ``dh[c] = dz W``, ``dW += dz^T h_c`` (in the weight's dtype: one GEMM a chunk that adds to ``dW`` in fp32 and
+   rounds once), ``db += sum_rows dz`` (fp32).
 
 For the losses ``g`` is known inside the chunk, which holds everything its coefficients need (:func:`loss_chunks`),
 so the logits GEMM is never recomputed: 6 N D V flops in all. Plain log-probs learn their per-token
@@ -153,54 +154,15 @@ def _rows_of(h2, segs, gbuf):
     return torch.index_select(h2, 0, src, out=gbuf[:segs.n])
 
 
-_F32_ADDMM = {}
-
-
-def _addmm_f32(acc, a, b, beta):
-    """``acc = beta * acc + a @ b`` with fp32 ``acc`` and low-precision ``a``, ``b``, without an fp32 copy of ``a``
-    when the backend has a mixed-precision GEMM (``out_dtype``, CUDA in torch >= 2.8). ``beta=0`` ignores ``acc``'s
-    contents (first chunk: no memset of the accumulator)."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b, beta=beta)
-        return
-    key = (acc.device.type, a.dtype)
-    mode = _F32_ADDMM.get(key)
-    if mode is None:
-        mode = "upcast"  # CPU: exact, and only small shapes run there
-        if acc.is_cuda:
-            mode = "low_mm_add"  # last resort on CUDA: per-chunk product rounded once, summed in fp32
-            t = torch.zeros(2, 2, dtype=acc.dtype, device=acc.device)
-            x = torch.zeros(2, 2, dtype=a.dtype, device=acc.device)
-            try:  # probe once on a tiny problem (torch >= 2.8 has out_dtype on CUDA)
-                torch.addmm(t, x, x, beta=0, out_dtype=acc.dtype, out=t)
-                mode = "addmm_out_dtype"
-            except Exception:
-                try:
-                    torch.mm(x, x, out_dtype=acc.dtype)
-                    mode = "mm_out_dtype"
-                except Exception:
-                    pass
-        _F32_ADDMM[key] = mode
-    if mode == "addmm_out_dtype":
-        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
-    elif mode in ("mm_out_dtype", "low_mm_add"):
-        prod = torch.mm(a, b, out_dtype=acc.dtype) if mode == "mm_out_dtype" else torch.mm(a, b)
-        if beta == 0:
-            acc.copy_(prod)
-        else:
-            acc.add_(prod)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
-
-
 def alloc_grads(h2, weight, bias, chunks, need, sparse=False):
-    """``dh`` (input dtype), fp32 ``dW`` and ``db`` (not zero-filled when a first chunk overwrites them; ``dh``
-    zero-filled when the chunks skip rows: ``sparse``, a map of the supervised tokens only)."""
+    """``dh`` and ``dW`` in the input's (the weight's) dtype, ``db`` in fp32 (fp64 for fp64), none zero-filled when
+    a first chunk overwrites them; ``dh`` zero-filled when the chunks skip rows (``sparse``: a map of the supervised
+    tokens only). ``dW`` is accumulated in place, one rounding a chunk (docs/fused_linear.md, "dW's precision")."""
     N, D = h2.shape
     V = weight.shape[0]
     acc = torch.float64 if h2.dtype == torch.float64 else torch.float32
     dh = (torch.zeros_like if sparse else torch.empty_like)(h2) if need[0] else None
-    dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=acc, device=h2.device) if need[1] else None
+    dw = (torch.empty if chunks else torch.zeros)(V, D, dtype=weight.dtype, device=h2.device) if need[1] else None
     db = (torch.empty if chunks else torch.zeros)(V, dtype=acc, device=h2.device) if bias is not None and need[2] \
         else None
     return dh, dw, db
@@ -209,7 +171,7 @@ def alloc_grads(h2, weight, bias, chunks, need, sparse=False):
 def chunk_logits(buf, h2, wt, bias, segs, gbuf=None):
     """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, in one GEMM: on the rows in place
     when they are one range, else gathered into ``gbuf`` (a map's index rows; a DPO pair chunk's two ranges, so
-    that its ``dW`` is one accumulation into the fp32 buffer, not one a range: run 4's profile)."""
+    that it adds to ``dW`` once, not once a range: run 4's profile)."""
     V = wt.shape[1]
     z = buf[:size(segs) * V].view(-1, V)
     h = _rows_of(h2, segs, gbuf)
@@ -225,9 +187,9 @@ def grads(h2, weight, segs, z, dh, dw, db, first, gbuf=None):
     (a gathered chunk: ``h_c`` is still in ``gbuf`` from :func:`chunk_logits`; a map's ``dh`` goes there next,
     then to its rows of ``dh``; a pair chunk's ``dh`` straight to its two ranges)."""
     gathered = _gathers(segs)
-    if dw is not None:  # one accumulation a chunk: each reads and writes the whole fp32 [V, D] buffer
+    if dw is not None:  # one accumulation a chunk (each reads and writes the whole [V, D]), fp32 inside the GEMM
         h = gbuf[:size(segs)] if gathered else _rows_of(h2, segs, None)
-        _addmm_f32(dw, z.t(), h, beta=0 if first else 1)
+        dw.addmm_(z.t(), h, beta=0 if first else 1)  # beta = 0: the first chunk ignores dw's (unset) contents
     if dh is not None:
         if isinstance(segs, Mapped):
             src = segs.source
