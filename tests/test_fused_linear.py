@@ -164,9 +164,10 @@ def test_chunks_of_several_pairs_strided_inputs_and_grad_output(path, name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("s", [1.0, -2.5])
 def test_scaled_is_the_product_in_the_weights_dtype(shape, dtype, s):
-    """The fused-linear ``dW`` / ``db`` times ``grad_output``: one kernel pass from the fp32 accumulator into a new
-    tensor of the parameter's dtype, equal to torch's product rounded once; written at ``s == 1`` too (the in-place
-    twin skips that case), the accumulator left alone (a second backward of a retained graph reads it again)."""
+    """The fused-linear ``db`` (and, before issue 54, ``dW``) times ``grad_output``: one kernel pass from the fp32
+    accumulator into a new tensor of the parameter's dtype, equal to torch's product rounded once; written at
+    ``s == 1`` too (the in-place twin, which scales ``dW`` now, skips that case), the accumulator left alone (a second
+    backward of a retained graph reads it again)."""
     from humanline_kernels.ops.logprobs import kernel as LPK
     acc = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
     before = acc.clone()
@@ -178,6 +179,22 @@ def test_scaled_is_the_product_in_the_weights_dtype(shape, dtype, s):
     torch.testing.assert_close(out, (acc * s).to(dtype), **tol)
     assert torch.equal(acc, before)
     assert sum(n for (path, k), n in _jit.LAUNCHES.items() if k == "_scale_rows_kernel") == (1 if acc.numel() else 0)
+
+
+@pytest.mark.parametrize("s", [1.0, -2.5])
+def test_bf16_dw_scaled_in_place_by_grad_output(path, s):
+    """bf16 ``dW`` (accumulated in bf16) and ``dh`` times ``grad_output`` in place: the product of the ``s = 1``
+    gradients with ``s``, rounded once (the interpreter's bf16 stores round toward zero: one ulp), on both paths."""
+    h, w, b, y, ref, g = _case(dtype=torch.bfloat16, bias=False)
+    adv = torch.randn(4, generator=g)
+
+    def grads(scale):
+        loss, _ = hk.fused_linear.grpo(h, w, y, ref, adv, chunk_bytes=3 * 53 * 2)  # 10 chunks
+        return torch.autograd.grad(loss * scale, (h, w))
+    ones, scaled = grads(1.0), grads(s)
+    for a, c in zip(scaled, ones):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, (c.float() * s).bfloat16(), atol=0, rtol=2 ** -7)
 
 
 def test_retained_graph_backward_twice_gives_the_same_gradients():
