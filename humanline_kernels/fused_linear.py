@@ -96,8 +96,8 @@ def _scaled(acc, go, dtype, LP):
 def _graph_kept():
     """Whether the running backward keeps the graph (``retain_graph`` / ``create_graph``): then the gradients formed
     in the forward stay on ctx for the next backward and are scaled out of place. Unknown (the engine's query is
-    private: ``torch._C._autograd._get_current_graph_task_keep_graph``, present since torch 2.4 -- checked on 2.11
-    and 2.13): kept, the safe side."""
+    private: ``torch._C._autograd._get_current_graph_task_keep_graph``, which torch 2.13 has; a torch without it):
+    kept, the safe side (a copy of ``dW``: the peak of a plain backward is then one ``[V, D]`` more)."""
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     if query is None:
         return True
