@@ -2,17 +2,17 @@
 weights (``save_reference=True``, the default), with the schedule only (``save_reference=False``) and a stock
 (humanline=False) checkpoint, on a random-init Llama of a chosen size (CPU or the GPU of the machine).
 
-    python -m bench checkpoint [--hidden 512] [--layers 8] [--vocab 32000] [--repeat 3] [--json PATH]
+    python -m bench checkpoint [--hidden 512] [--layers 8] [--vocab 32000] [--repeat 3] [--out bench/out]
 
 Prints a table (checkpoint MiB, the humanline files' MiB, the whole save's seconds and the humanline part's) and
-writes JSON with the machine, versions and shapes.
+writes ``checkpoint.json`` (with the machine, versions and shapes) and ``checkpoint.png`` into ``--out``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -24,7 +24,7 @@ def _args(argv):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeat", type=int, default=3, help="saves timed per arm (the median is reported)")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
     a = p.parse_args(argv)
     for name in ("hidden", "layers", "vocab", "repeat"):
         if getattr(a, name) < 1:
@@ -40,6 +40,14 @@ def _size(folder, prefix=""):
 
 
 def run(a):
+    work = tempfile.mkdtemp(prefix="hk-ckpt-")
+    try:
+        return _run(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # gigabytes of checkpoints at real sizes
+
+
+def _run(a, work):
     import statistics
 
     import torch
@@ -49,7 +57,6 @@ def run(a):
 
     from humanline_kernels.integrations.trl import HumanlineDPOConfig, HumanlineDPOTrainer
 
-    work = tempfile.mkdtemp(prefix="hk-ckpt-")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
                       num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=8, pad_token_id=0,
@@ -92,22 +99,18 @@ def run(a):
                      "save_s": statistics.median(total), "humanline_s": statistics.median(ours or [0.0])})
     return {"params": params, "shape": {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab},
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()}, "
-            f"{os.cpu_count()} cores)", "torch": torch.__version__, "rows": rows}
+            f"{os.cpu_count()} cores)", "torch": torch.__version__, "repeat": a.repeat}, rows
 
 
 def main(argv=None):
+    from bench import common
     a = _args(argv)
-    res = run(a)
-    print(f"{res['params'] / 1e6:.1f} M params (fp32 policy and reference, AdamW), {res['device']}, torch "
-          f"{res['torch']}; medians of {a.repeat} saves")
-    print("| arm | checkpoint MiB | humanline files MiB | save s | humanline part s |\n|---|---|---|---|---|")
-    for r in res["rows"]:
-        print(f"| {r['arm']} | {r['checkpoint_mib']:.1f} | {r['humanline_mib']:.2f} | {r['save_s']:.2f} | "
-              f"{r['humanline_s']:.2f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    meta, rows = run(a)
+    print(f"{meta['params'] / 1e6:.1f} M params (fp32 policy and reference, AdamW), {meta['device']}, torch "
+          f"{meta['torch']}; medians of {a.repeat} saves")
+    common.save("checkpoint", rows, meta, a.out, series="arm", bar=("checkpoint_mib", "save_s"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,7 +25,7 @@ def test_help_lists_every_suite():
     assert r.returncode == 0 and r.stderr == ""
     for name in SUITES:
         assert f"  {name} " in r.stdout
-    assert set(SUITES) == {"logits", "linear", "sync", "host", "e2e", "gpu", "report"}
+    assert set(SUITES) == {"logits", "linear", "sync", "host", "e2e", "checkpoint", "gpu", "report"}
 
 
 @pytest.mark.parametrize("args", [(), ("nope",)])
@@ -284,9 +284,9 @@ def test_checkpoint_cost_runs_and_refuses_bad_flags(tmp_path):
     import json
 
     from bench import bench_checkpoint
-    out = tmp_path / "ckpt.json"
-    bench_checkpoint.main(["--hidden", "32", "--layers", "1", "--vocab", "64", "--repeat", "1", "--json", str(out)])
-    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert bench_checkpoint.main(["--hidden", "32", "--layers", "1", "--vocab", "64", "--repeat", "1",
+                                  "--out", str(tmp_path)]) == 0
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "checkpoint.json").read_text())["rows"]}
     ref_mib = rows["humanline"]["humanline_mib"]
     assert ref_mib > 0 and rows["save_reference=False"]["humanline_mib"] < 0.01
     assert rows["humanline"]["checkpoint_mib"] == pytest.approx(rows["stock (humanline=False)"]["checkpoint_mib"]
