@@ -265,9 +265,19 @@ def test_lookahead_checkpoint_holds_the_window(tiny_path, tmp_path):
 
 
 # ------------------------------------------------------------------------------- checkpoints that do not match
+_STOPPED = {}  # settings -> a stopped run's output folder, made once per module and copied per test
+
+
 def _stopped(tiny_path, tmp_path, **hk):
+    """A DPO run stopped after the checkpoint of step 3, as a fresh copy in ``tmp_path`` (tests damage it)."""
+    import shutil
+    key = tuple(sorted(hk.items()))
+    if key not in _STOPPED:
+        src = os.path.join(os.path.dirname(tiny_path), f"stopped-{len(_STOPPED)}")
+        _trainer(tiny_path, "dpo", src, 6, 3, (StopAt(3),), **hk).train()
+        _STOPPED[key] = src
     out = str(tmp_path / "run")
-    _trainer(tiny_path, "dpo", out, 6, 3, (StopAt(3),), **hk).train()
+    shutil.copytree(_STOPPED[key], out)
     return out, os.path.join(out, "checkpoint-3")
 
 
