@@ -322,6 +322,13 @@ def test_rows_without_tokens(path, chunk_bytes):
         torch.testing.assert_close(loss, want, msg=name)
         dh, dw = torch.autograd.grad(loss, (h, w))
         assert dh.shape == h.shape and not dw.any(), name
+    # the log-prob levels (no chunk at all: their backward once read the last chunk's logits, unset then)
+    lp = hk.fused_linear.token_logprobs(h, w, y, chunk_bytes=chunk_bytes)
+    s, pol, *_ = hk.fused_linear.sequence_logratios(h, w, y, ref, chunk_bytes=chunk_bytes)
+    assert lp.shape == y.shape and not s.any() and not pol.any()
+    for out in (lp.sum(), s.sum() + pol.sum()):
+        dh, dw = torch.autograd.grad(out, (h, w))
+        assert dh.shape == h.shape and not dw.any()
 
 
 @pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"),
