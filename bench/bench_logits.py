@@ -30,6 +30,19 @@ def _inputs(N, V, device, dtype, seed=0):
     return x, y, ref
 
 
+def _folded(call):
+    """``call`` with the folded forward selected (``ops.constants.FOLD_FINALIZE``), the default back after it."""
+    from humanline_kernels.ops import constants
+
+    def run():
+        before, constants.FOLD_FINALIZE = constants.FOLD_FINALIZE, True
+        try:
+            return call()
+        finally:
+            constants.FOLD_FINALIZE = before
+    return run
+
+
 def _impls(x, y, ref, quick):
     """name -> (callable doing forward + backward, passes over the logits it needs at best: 3 or 2)."""
     import humanline_kernels as hk
@@ -56,6 +69,12 @@ def _impls(x, y, ref, quick):
         "hk.fused.grpo": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False)[0]), 3),
         "hk.fused.grpo(grad_in_fwd)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False,
                                                                   grad_in_forward=True)[0]), 2),
+        # issue 53's other GRPO variants: per-row weights ("grpo": a weights launch first with the gradient in the
+        # forward) and the clip off (a kernel variant of its own)
+        "hk.fused.grpo(grpo,noclip)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, loss_type="grpo",
+                                                                  clip=None, validate=False)[0]), 3),
+        "hk.fused.grpo(grad_in_fwd,grpo)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, loss_type="grpo",
+                                                                       validate=False, grad_in_forward=True)[0]), 2),
         "hk.fused.grpo(grad_in_fwd,inplace)": (lambda: grad(hk.fused.grpo(
             xi, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True, inplace_backward=True)[0], None, xi), 2),
         "hk.fused.dpo": (lambda: grad(hk.fused.dpo(x.view(2, N // 2, V), y.view(2, -1), half, validate=False)[0]),
@@ -66,6 +85,12 @@ def _impls(x, y, ref, quick):
                                                    validate=False)[0]), 3),
         "eager fp32 log_softmax+gather": (lambda: grad(eager_lp(x), g), 3),
     }
+    # issue 53's folded forward (ops/finalize/folded.py; off by default until a GPU run has checked it): the same
+    # calls with the finalize folded into the row kernel, and GRPO's gradient in the forward on the persistent grid
+    for name in ("hk.fused.grpo", "hk.fused.grpo(grad_in_fwd)", "hk.fused.grpo(grpo,noclip)",
+                 "hk.fused.grpo(grad_in_fwd,grpo)", "hk.fused.dpo", "hk.fused.kto"):
+        call, passes = impls[name]
+        impls[name.replace("hk.fused.", "hk.fused[fold].")] = (_folded(call), passes)
     if quick or not x.is_cuda:  # the peers below are GPU kernels (Liger's Triton kernels fail on CPU tensors)
         return impls
     compiled = torch.compile(eager_lp)

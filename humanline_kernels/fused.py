@@ -32,6 +32,7 @@ from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
 from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
+from .ops import constants as C
 from .ops.constants import LOGP_PLANE, MODE_GRPO, named_metrics
 from .ops.logprobs import eager as logprobs_eager
 
@@ -46,11 +47,19 @@ def _kernels():
     call does not pay three imports)."""
     global _KERNELS
     if _KERNELS is None:
+        from .ops.finalize import folded
         from .ops.finalize import kernel as finalize
         from .ops.logprobs import kernel as logprobs
         from .ops.token_terms import kernel as token_terms
-        _KERNELS = logprobs, token_terms, finalize
+        _KERNELS = logprobs, token_terms, finalize, folded
     return _KERNELS
+
+
+def _folded(tokens, labels):
+    """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/finalize/folded.py):
+    when it is selected (``ops.constants.FOLD_FINALIZE``, off until a GPU run has checked it), for a dense batch
+    with tokens (a packed batch's token map keeps the separate finalize: its rows do not tile its sequences)."""
+    return C.FOLD_FINALIZE and tokens is None and labels.numel() > 0
 
 
 def _as_3d(logits, labels):
@@ -151,10 +160,13 @@ class _FusedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
-        LP, TT, FIN = _kernels()
+        _, TT, FIN, FOLD = _kernels()
         inp = p.Inputs(*inputs)
-        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp, segs=tokens)
-        loss, met, w = FIN.FINALIZE[p.name](val, aux, labels, p, inp)
+        if _folded(tokens, labels):
+            _val, coef, lse, aux, loss, met, w = FOLD.FUSED[p.name](logits, labels, ref, p, inp)
+        else:
+            val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp, segs=tokens)
+            loss, met, w = FIN.FINALIZE[p.name](val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(logits, labels, lse, coef, w, tokens, *((aux, ref, loss, *inputs) if owed else ()))
         ctx.cfg = (p, inplace, len(inputs), owed)
@@ -182,17 +194,25 @@ class _FusedLoss(torch.autograd.Function):
 
 class _GrpoGradInForward(torch.autograd.Function):
     """GRPO loss whose logits gradient is written during the forward; backward only scales it by grad_output.
-    The row weights come first, from the labels (the finalize kernel without terms); the loss and metrics after."""
+    The row weights come first, from the labels (the finalize kernel without terms), except on the persistent grid
+    for the loss types whose rows share one weight (found in the kernel); the loss and metrics after (folded into
+    the row kernel, or a finalize launch on the previous path)."""
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
-        _, TT, FIN = _kernels()
+        _, TT, FIN, FOLD = _kernels()
         inp = p.Inputs(*inputs)
-        w = FIN.grpo_finalize(None, None, labels, p, inp)[2]
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
-                                               segs=tokens)
-        loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
+        if _folded(tokens, labels):
+            persistent = C.GIF_PERSISTENT
+            w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not persistent else None
+            _val, _coef, _lse, aux, loss, met, w = FOLD.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
+                                                                  grad_out=grad, persistent=persistent)
+        else:
+            w = FIN.grpo_finalize(None, None, labels, p, inp)[2]
+            val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
+                                                   segs=tokens)
+            loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(grad, *((labels, w, aux, ref, loss, *inputs) if owed else ()))
         ctx.cfg = (p, len(inputs), owed)
@@ -223,7 +243,7 @@ class _Sequences(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, token_weights):
-        _, TT, FIN = _kernels()
+        _, TT, FIN, _ = _kernels()
         val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, segs=tokens)
         s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:

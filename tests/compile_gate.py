@@ -52,6 +52,9 @@ SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte align
     "one row": ((1, 8, 32000), None, True),  # the finalize kernels' 1 x 4 block_t tiles (see below)
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# GRPO's gradient in the forward in the folded kernel (its GRAD modes 0-3, the gradient new or over the logits)
+GIF_VARIANTS = ("none", "rows new", "rows inplace", "persistent rows new", "persistent shared new",
+                "persistent shared inplace")
 
 
 PTXAS_LOGS = {}  # id(compiled kernel) -> the ptxas -v log of Triton's own build of it (the kernels stay alive)
@@ -231,6 +234,26 @@ def _cases():
         torch.autograd.grad((s.sum(), pol.sum()), x)
         hk.fused.sequence_logratios(x, y, f, clip=None, validate=False)
 
+    def fold(shape_name, dtype, kind, variant, use_clip=True, kl_ref=False):
+        # a fused loss's forward in one launch, the finalize folded into the row kernel (ops/finalize/folded.py);
+        # GRPO's gradient in the forward on the grid of a program a row ("rows") or the persistent one, with each
+        # row's weight or the shared one ("shared"), into a new buffer or over the logits ("inplace")
+        from humanline_kernels.ops.finalize import folded as FOLD
+        x, y, f, adv, _ = tensors(shape_name, dtype)
+        c = clip if use_clip else None
+        if kind == "dpo":
+            FOLD.dpo_loss(x, y, f, P.DPO(clip=c, temperature=0.7))
+        elif kind == "kto":
+            des = torch.empty(adv.shape, dtype=torch.bool, device="meta")
+            kl = (f[:, :3], f[:, :3], torch.empty((f.shape[0], 3), dtype=torch.bool, device="meta"))
+            inp = P.KTOInputs(des, *(kl if variant == "kl_rows" else (None,) * 3), adv[0] if variant == "z0" else None)
+            FOLD.kto_loss(x, y, f, P.KTO(clip=c), inp)
+        else:
+            grad = None if variant == "none" else x if variant.endswith("inplace") else torch.empty_like(x)
+            p = P.GRPO(clip=c, beta=0.04, temperature=0.7)
+            FOLD.grpo_loss(x, y, f, p, P.GRPOInputs(adv, f if kl_ref else None), grad_out=grad,
+                           row_weight=None if "shared" in variant else adv, persistent=variant.startswith("persistent"))
+
     def scale(shape_name, dtype):
         x, *_ = tensors(shape_name, dtype)
         LPK.scale_rows_(x, torch.empty((), dtype=torch.float32, device="meta"))
@@ -266,6 +289,15 @@ def _cases():
         for inplace in (False, True):
             cases.append((f"loss_bwd inplace={inplace} {dn} aligned", True,
                           lambda dt=dt, i=inplace: loss_bwd("aligned", dt, i)))
+        for use_clip in (False, True):
+            cases.append((f"fold dpo clip={use_clip} {dn} aligned", True,
+                          lambda dt=dt, c=use_clip: fold("aligned", dt, "dpo", "", c)))
+            for variant in ("", "kl_rows", "z0"):
+                cases.append((f"fold kto {variant} clip={use_clip} {dn} aligned", True,
+                              lambda dt=dt, c=use_clip, v=variant: fold("aligned", dt, "kto", v, c)))
+        for use_clip, kl_ref, variant in itertools.product((False, True), (False, True), GIF_VARIANTS):
+            cases.append((f"fold grpo {variant} clip={use_clip} kl_ref={kl_ref} {dn} aligned", True,
+                          lambda dt=dt, c=use_clip, k=kl_ref, v=variant: fold("aligned", dt, "grpo", v, c, k)))
         # every specialisation-changing shape, main configurations
         for sn, (_shape, _sl, aligned) in SHAPES.items():
             if sn in ("aligned", "one row"):
@@ -280,6 +312,10 @@ def _cases():
                 (f"logprobs_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: bwd(s, dt, False)),
                 (f"scale_rows {dn} {sn}", aligned, lambda dt=dt, s=sn: scale(s, dt)),
             ]
+            cases += [(f"fold {kind} {variant} {dn} {sn}", aligned, lambda dt=dt, s=sn, k=kind, v=variant:
+                       fold(s, dt, k, v)) for kind, variant in (("dpo", ""), ("kto", "kl_rows"), ("grpo", "none"),
+                                                                ("grpo", "rows new"), ("grpo", "persistent shared new"),
+                                                                ("grpo", "persistent rows inplace"))]
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
                 cases.append((f"loss_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: loss_bwd(s, dt, False)))
     for dn in ("bf16", "fp32"):
@@ -323,11 +359,21 @@ def _int_class(v):
 def _launch_rules():
     """Launch parameters a launcher derives from a kernel's switches: a derived combination gets them by the
     launcher's own rule (kernel name -> kwargs -> kwargs), not the recorded launch's."""
+    from humanline_kernels.ops.finalize import folded as FOLD
     from humanline_kernels.ops.logprobs import kernel as LPK
 
     def fwd(kw):
         return dict(kw, BLOCK_V=LPK.fwd_block(kw["x_ptr"], kw["ENTROPY"], kw["TOKEN_MAP"]))
-    return {"_logprobs_fwd_kernel": fwd}
+
+    def grpo_fold(kw):  # the persistent grid (GRAD 2, 3) has its own block, warps and register budget, and the
+        x = kw["x_ptr"]  # tail's tiles follow the warps
+        persistent = kw["GRAD"] >= 2
+        block, warps = FOLD.grpo_config(x, kw["GRAD"])
+        _tile, bb, bt = FOLD.fold_config(x, kw["B"], warps)
+        kw = {k: v for k, v in kw.items() if k != "maxnreg"}
+        return dict(kw, BLOCK_V=block, BLOCK_B=bb, BLOCK_T=bt, num_warps=warps,
+                    **FOLD._register_budget(x, warps, persistent))
+    return {"_logprobs_fwd_kernel": fwd, "_grpo_loss_kernel": grpo_fold}
 
 
 def derived_variants(launches, max_bases=6):
@@ -423,7 +469,7 @@ def _resources(kernel, arch):
 
 def _vector_loads(ptx):
     """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``) in the PTX."""
-    return len(re.findall(r"ld\.global[.\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))
+    return len(re.findall(r"ld\.global[.:\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))  # (hints: L2::...)
 
 
 def _compile(name, call, compiled, failures):

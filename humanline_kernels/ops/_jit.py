@@ -24,13 +24,23 @@ LAUNCHES: collections.Counter = collections.Counter()
 COMPILED_DEVICES = {"cuda"}
 
 _INTERPRETED: dict = {}
+# id(compiled @jit function) -> (it, the plain Python function its interpreted twin runs instead of its own body)
+_INTERPRET_AS: dict = {}
 
 
-def jit(fn=None, **kwargs):
-    """``@triton.jit`` that always builds the compiled kind, whatever ``TRITON_INTERPRET`` says at import."""
-    if fn is None:
-        return lambda f: JITFunction(f, **kwargs)
-    return JITFunction(fn, **kwargs)
+def jit(fn=None, *, interpret_as=None, **kwargs):
+    """``@triton.jit`` that always builds the compiled kind, whatever ``TRITON_INTERPRET`` says at import.
+
+    ``interpret_as``: a function with the same signature whose body the interpreted twin runs instead, for a device
+    function the interpreter cannot run (inline PTX); the compiled kind is the only one the compile gate and a GPU
+    see, so its body must compute the same thing up to what the PTX instruction documents (e.g. flushing
+    denormals)."""
+    def build(f):
+        kernel = JITFunction(f, **kwargs)
+        if interpret_as is not None:
+            _INTERPRET_AS[id(kernel)] = (kernel, interpret_as)
+        return kernel
+    return build if fn is None else build(fn)
 
 
 def interpreted(kernel: JITFunction):
@@ -42,7 +52,7 @@ def interpreted(kernel: JITFunction):
     from triton.runtime.interpreter import InterpretedFunction
 
     _patch_interpreter()
-    fn = kernel.fn
+    fn = _INTERPRET_AS[id(kernel)][1] if id(kernel) in _INTERPRET_AS else kernel.fn
     scope = dict(fn.__globals__)  # the interpreter writes its own names into the globals it runs with
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__

@@ -1,6 +1,8 @@
 """Constants shared by the kernels, their launchers, the checks and the integrations (defined here only)."""
 from __future__ import annotations
 
+import os as _os
+
 # what the row kernel (ops.token_terms) computes per token: the clipped log-ratio (DPO, KTO, the sequence-level
 # primitive) or GRPO's per-token term
 MODE_RATIO, MODE_GRPO = 1, 2
@@ -29,3 +31,19 @@ METRICS = {
 def named_metrics(name, met):
     """The API's metrics dict of a finalize kernel's ``metrics`` tensor (0-d views, in :data:`METRICS` order)."""
     return dict(zip(METRICS[name], met.unbind(0)))
+
+
+# Selectable kernel paths (issue 53), read at call time; the environment sets them at import.
+# FOLD_FINALIZE (HK_FOLD_FINALIZE=1): a logits-level DPO / KTO / GRPO forward in one launch, the finalize folded into
+# the row kernel as a deterministic last-arrival reduction (ops/finalize/folded.py). Off by default until a GPU run
+# has checked it: the interpreter runs a grid's programs one after another, so the memory ordering between programs
+# that the fold relies on is shown only on a GPU (tests/test_fold.py's GPU test). Off: the row kernel, then a
+# one-program finalize launch.
+FOLD_FINALIZE = _os.environ.get("HK_FOLD_FINALIZE", "0") == "1"
+# GIF_PERSISTENT: with FOLD_FINALIZE, GRPO's gradient in the forward on a persistent grid (GIF_PROGRAMS_PER_SM
+# programs an SM of GIF_WARPS warps walk the rows, so that the rows in flight stay in L2 for the gradient's second
+# sweep); False (HK_GIF_PERSISTENT=0): one program a row.
+GIF_PERSISTENT = _os.environ.get("HK_GIF_PERSISTENT", "1") != "0"
+GIF_PROGRAMS_PER_SM = int(_os.environ.get("HK_GIF_PROGRAMS_PER_SM", "1"))
+GIF_WARPS = int(_os.environ.get("HK_GIF_WARPS", "16"))
+GIF_BYTES_PER_THREAD = int(_os.environ.get("HK_GIF_BYTES_PER_THREAD", "32"))

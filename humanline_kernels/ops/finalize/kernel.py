@@ -62,19 +62,34 @@ def _valid(y_ptr, y_sb, y_st, rows, t, inb, ignore_index):
 
 @jit
 def _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, rows, rmask, T, ignore_index, BLOCK_B: tl.constexpr,
-              BLOCK_T: tl.constexpr):
-    """Per-row ``(sum m*val, sum m*inside, sum m)`` of the rows ``rows`` (fp32 vectors)."""
+              BLOCK_T: tl.constexpr, PARTIAL: tl.constexpr):
+    """Per-row ``(sum m*val, sum m*inside, sum m)`` of the rows ``rows`` (fp32 vectors). With ``PARTIAL`` the three
+    are sums of partial sums: ``val_ptr``, ``aux_ptr`` and ``y_ptr`` are planes ``[B, T]`` of per-tile sums (``T``
+    tiles a row; :mod:`.folded`), read past L1 (``.cg``: other programs wrote them during this launch)."""
     s = tl.zeros([BLOCK_B], dtype=tl.float32)
     n_in = tl.zeros([BLOCK_B], dtype=tl.float32)
     n = tl.zeros([BLOCK_B], dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         off, t = _tile(rows, T, t0, BLOCK_T)
         inb = rmask[:, None] & (t < T)[None, :]
-        m = _valid(y_ptr, y_sb, y_st, rows, t, inb, ignore_index)
-        s += tl.sum(tl.where(m, tl.load(val_ptr + off, mask=m, other=0.0), 0.0), 1)
-        n_in += tl.sum(tl.where(m, tl.load(aux_ptr + off, mask=m, other=0.0), 0.0), 1)
-        n += tl.sum(m.to(tl.float32), 1)
+        if PARTIAL:
+            s += tl.sum(_part(val_ptr + off, inb), 1)
+            n_in += tl.sum(_part(aux_ptr + off, inb), 1)
+            n += tl.sum(_part(y_ptr + off, inb), 1)
+        else:
+            m = _valid(y_ptr, y_sb, y_st, rows, t, inb, ignore_index)
+            s += tl.sum(tl.where(m, tl.load(val_ptr + off, mask=m, other=0.0), 0.0), 1)
+            n_in += tl.sum(tl.where(m, tl.load(aux_ptr + off, mask=m, other=0.0), 0.0), 1)
+            n += tl.sum(m.to(tl.float32), 1)
     return s, n_in, n
+
+
+@jit
+def _part(ptr, mask):
+    """Partial sums another program wrote during this launch: read from L2 (``.cg``), 0 outside ``mask``. (The
+    select keeps a load from feeding a sum in a loop directly: triton 3.6's thread-locality pass rewrites that
+    pattern and asserts on an accumulator with two uses after the loop, as ``_grpo_tail``'s row sums have.)"""
+    return tl.where(mask, tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg"), 0.0)
 
 
 @jit
@@ -92,12 +107,21 @@ def _frac(num, den):
 @jit(do_not_specialize=["P", "T", "J0", "J1"])
 def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, J0, J1, ignore_index,
                          beta, label_smoothing, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    """:func:`_dpo_tail` as a launch of its own (one program): the previous path, and the fused-linear chunks'."""
+    _dpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, J0, J1, ignore_index, beta,
+              label_smoothing, BLOCK_B, BLOCK_T, False)
+
+
+@jit
+def _dpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, J0, J1, ignore_index, beta,
+              label_smoothing, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, PARTIAL: tl.constexpr):
     """DPO over pairs ``(j, P + j)``: ``s = sum_t m val``, ``h_j = beta (s_j - s_{P+j})``,
     ``loss = mean_j[-(1 - ls) logsig(h_j) - ls logsig(-h_j)]``;
     ``w_j = -w_{P+j} = beta / P * (-(1 - ls) sig(-h_j) + ls sig(h_j))``; metrics: means of ``rc = beta s_j``,
     ``rr = beta s_{P+j}``, ``rc - rr``, ``[rc > rr]``, and ``unclipped_frac = sum m inside / sum m``.
     Only the pairs ``J0 <= j < J1`` are read and get ``w`` (a fused-linear chunk; sums and means still over
-    ``P``): the whole batch is ``(0, P)``."""
+    ``P``): the whole batch is ``(0, P)``. ``PARTIAL``: the row sums come from per-tile partial sums
+    (:func:`_row_sums`)."""
     acc_loss = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_rc = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_rr = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -108,8 +132,10 @@ def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr,
     for j0 in range(J0, J1, BLOCK_B):
         j = j0 + tl.arange(0, BLOCK_B)
         jm = j < J1
-        s_c, in_c, n_c = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j, jm, T, ignore_index, BLOCK_B, BLOCK_T)
-        s_r, in_r, n_r = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j + P, jm, T, ignore_index, BLOCK_B, BLOCK_T)
+        s_c, in_c, n_c = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j, jm, T, ignore_index, BLOCK_B, BLOCK_T,
+                                   PARTIAL)
+        s_r, in_r, n_r = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, j + P, jm, T, ignore_index, BLOCK_B,
+                                   BLOCK_T, PARTIAL)
         h = beta * (s_c - s_r)
         ls_pos = _logsigmoid(h)
         ls_neg = _logsigmoid(-h)
@@ -137,13 +163,21 @@ def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr,
 def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, klref_ptr, klm_ptr, z0_ptr,
                          loss_ptr, met_ptr, w_ptr, B, T, BK, TK, B0, B1, ignore_index, beta, lam_d, lam_u, clip_on,
                          clip_lo, clip_hi, z0_given, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
-    """KTO: KL rows (contiguous ``[BK, TK]``) ``s_kl = sum_t m_kl clamp(kl - kl_ref)``;
-    ``z0 = max(0, sum s_kl / #{s_kl != 0})`` (0 without such rows; read from ``z0_ptr`` when ``z0_given``, e.g.
-    all-reduced across ranks). Rows: ``s = sum_t m val``, ``x = beta (s - z0)``; desirable
-    ``lam_d (1 - sig(x))``, undesirable ``lam_u (1 - sig(-x))``; ``loss = mean_i``;
-    ``w_i = beta sig(x) sig(-x) (-lam_d or lam_u) / B``. Metrics: ``z0``, mean of ``beta s`` over desirable and
-    over undesirable rows (0 when none), ``unclipped_frac``. Only the rows ``B0 <= b < B1`` are read and get ``w``
-    (a fused-linear chunk; the loss still divides by ``B``): the whole batch is ``(0, B)``."""
+    """KTO in one program (the previous path, and the fused-linear chunks'): the baseline ``z0`` of the KL rows
+    (:func:`_kto_z0`; read from ``z0_ptr`` when ``z0_given``, e.g. all-reduced across ranks), then
+    :func:`_kto_tail`."""
+    z0 = _kto_z0(kl_ptr, klref_ptr, klm_ptr, BK, TK, clip_on, clip_lo, clip_hi, BLOCK_B, BLOCK_T)
+    if z0_given != 0:
+        z0 = tl.load(z0_ptr).to(tl.float32)
+    _kto_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, z0, loss_ptr, met_ptr, w_ptr, B, T, B0, B1, ignore_index,
+              beta, lam_d, lam_u, BLOCK_B, BLOCK_T, False)
+
+
+@jit
+def _kto_z0(kl_ptr, klref_ptr, klm_ptr, BK, TK, clip_on, clip_lo, clip_hi, BLOCK_B: tl.constexpr,
+            BLOCK_T: tl.constexpr):
+    """KTO's baseline from the KL rows (contiguous ``[BK, TK]``): ``s_kl = sum_t m_kl clamp(kl - kl_ref)``,
+    ``z0 = max(0, sum s_kl / #{s_kl != 0})`` (0 without such rows)."""
     acc_tot = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_cnt = tl.zeros([BLOCK_B], dtype=tl.float32)
     for k0 in range(0, BK, BLOCK_B):
@@ -162,9 +196,18 @@ def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, k
         acc_cnt += tl.where(s_kl != 0.0, 1.0, 0.0)
     tot = tl.sum(acc_tot, 0)
     cnt = tl.sum(acc_cnt, 0)
-    z0 = tl.maximum(tl.where(cnt > 0, tot / tl.maximum(cnt, 1.0), 0.0), 0.0, propagate_nan=tl.PropagateNan.ALL)
-    if z0_given != 0:
-        z0 = tl.load(z0_ptr).to(tl.float32)
+    return tl.maximum(tl.where(cnt > 0, tot / tl.maximum(cnt, 1.0), 0.0), 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def _kto_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, z0, loss_ptr, met_ptr, w_ptr, B, T, B0, B1, ignore_index,
+              beta, lam_d, lam_u, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, PARTIAL: tl.constexpr):
+    """KTO with the baseline ``z0``. Rows: ``s = sum_t m val``, ``x = beta (s - z0)``; desirable
+    ``lam_d (1 - sig(x))``, undesirable ``lam_u (1 - sig(-x))``; ``loss = mean_i``;
+    ``w_i = beta sig(x) sig(-x) (-lam_d or lam_u) / B``. Metrics: ``z0``, mean of ``beta s`` over desirable and
+    over undesirable rows (0 when none), ``unclipped_frac``. Only the rows ``B0 <= b < B1`` are read and get ``w``
+    (a fused-linear chunk; the loss still divides by ``B``): the whole batch is ``(0, B)``. ``PARTIAL``: the row
+    sums come from per-tile partial sums (:func:`_row_sums`)."""
     acc_loss = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_rd = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_ru = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -175,7 +218,8 @@ def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, k
     for b0 in range(B0, B1, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
         bm = b < B1
-        s, n_in, n = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, b, bm, T, ignore_index, BLOCK_B, BLOCK_T)
+        s, n_in, n = _row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, b, bm, T, ignore_index, BLOCK_B, BLOCK_T,
+                               PARTIAL)
         d_raw = tl.load(des_ptr + b, mask=bm, other=0)
         des = bm & (d_raw != 0)
         und = bm & (d_raw == 0)
@@ -202,13 +246,25 @@ def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, k
 def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N,
                           ignore_index, loss_type, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr,
                           BLOCK_T: tl.constexpr, TERMS: tl.constexpr):
+    """:func:`_grpo_tail` as a launch of its own (one program): the previous path, the gradient-in-forward's
+    weights (without ``TERMS``) and the fused-linear chunks'."""
+    _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N, ignore_index,
+               loss_type, norm_kind, norm_value, dr_scale, BLOCK_B, BLOCK_T, TERMS, False)
+
+
+@jit
+def _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N, ignore_index,
+               loss_type, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+               TERMS: tl.constexpr, PARTIAL: tl.constexpr):
     """GRPO aggregation of ``val = m L`` (``n = sum m``, ``n_b = sum_t m``, ``E = #{b : n_b > 0}``):
     ``loss_type`` 0 (dapo/bnpo) ``sum val / den`` with ``den = max(n, 1)``, ``norm_value`` (``norm_kind`` 1) or
     ``*norm_ptr`` (2); 1 (grpo) ``sum_b (sum_t val / max(n_b, 1)) / max(E, 1)``; 2 (dr_grpo)
     ``sum val * dr_scale`` (``1 / (B * max_completion_length)``). ``w_b``: ``1 / den``,
     ``1 / (max(n_b, 1) max(E, 1))``, ``dr_scale``. Metrics over ``max(n, 1)``: ``unclipped_frac``, ``kl`` (sum k3),
     ``clip_frac_low``/``high``. Without ``TERMS`` only ``w`` is written (from the labels: the gradient-in-forward
-    path needs it before the row kernel runs; loss and metrics are 0 then)."""
+    path needs it before the row kernel runs; loss and metrics are 0 then). ``PARTIAL`` (with ``TERMS``): every
+    sum comes from per-tile partial sums, planes ``[B, T]`` ``N`` apart (``T`` tiles a row, :mod:`.folded`):
+    ``val_ptr`` the terms, ``aux_ptr`` the four aux planes, ``y_ptr`` the token counts."""
     plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
     acc_sum = tl.zeros([BLOCK_B], dtype=tl.float32)
     acc_mean = tl.zeros([BLOCK_B], dtype=tl.float32)
@@ -226,14 +282,23 @@ def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_pt
         for t0 in range(0, T, BLOCK_T):
             off, t = _tile(b, T, t0, BLOCK_T)
             inb = bm[:, None] & (t < T)[None, :]
-            m = _valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index)
-            n += tl.sum(m.to(tl.float32), 1)
-            if TERMS:
+            if PARTIAL:
+                n += tl.sum(_part(y_ptr + off, inb), 1)
+                s += tl.sum(_part(val_ptr + off, inb), 1)
+                acc_in += tl.sum(_part(aux_ptr + off, inb), 1)
+                acc_low += tl.sum(_part(aux_ptr + plane + off, inb), 1)
+                acc_high += tl.sum(_part(aux_ptr + 2 * plane + off, inb), 1)
+                acc_k3 += tl.sum(_part(aux_ptr + 3 * plane + off, inb), 1)
+            elif TERMS:
+                m = _valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index)
+                n += tl.sum(m.to(tl.float32), 1)
                 s += tl.sum(tl.where(m, tl.load(val_ptr + off, mask=m, other=0.0), 0.0), 1)
                 acc_in += tl.sum(tl.where(m, tl.load(aux_ptr + off, mask=m, other=0.0), 0.0), 1)
                 acc_low += tl.sum(tl.where(m, tl.load(aux_ptr + plane + off, mask=m, other=0.0), 0.0), 1)
                 acc_high += tl.sum(tl.where(m, tl.load(aux_ptr + 2 * plane + off, mask=m, other=0.0), 0.0), 1)
                 acc_k3 += tl.sum(tl.where(m, tl.load(aux_ptr + 3 * plane + off, mask=m, other=0.0), 0.0), 1)
+            else:
+                n += tl.sum(_valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index).to(tl.float32), 1)
         acc_sum += s
         acc_mean += s / tl.maximum(n, 1.0)
         acc_rows += tl.where(n > 0, 1.0, 0.0)
@@ -270,9 +335,12 @@ def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_pt
         n = tl.zeros([BLOCK_B], dtype=tl.float32)
         if loss_type == 1:
             for t0 in range(0, T, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
+                off, t = _tile(b, T, t0, BLOCK_T)
                 inb = bm[:, None] & (t < T)[None, :]
-                n += tl.sum(_valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index).to(tl.float32), 1)
+                if PARTIAL:
+                    n += tl.sum(_part(y_ptr + off, inb), 1)
+                else:
+                    n += tl.sum(_valid(y_ptr, y_sb, y_st, b, t, inb, ignore_index).to(tl.float32), 1)
         w = tl.zeros([BLOCK_B], dtype=tl.float32) + dr_scale
         if loss_type == 0:
             w = tl.zeros([BLOCK_B], dtype=tl.float32) + 1.0 / den

@@ -28,16 +28,55 @@ from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
 def block_config(x: torch.Tensor) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` for the rows of ``x [..., V]``: 8 KiB blocks on GPU (4096 bf16/fp16 or 2048 fp32
     elements, two or four 16-byte loads a thread at 8 warps: 4096 fp32 made the entropy variant spill with
-    triton 3.6), small ones in the interpreter."""
-    return _block_config(x.shape[-1], x.element_size(), x.device.type in COMPILED_DEVICES)
+    triton 3.6; 2048 elements, 8 a thread, when the rows are not 16-byte aligned: at 16, triton 3.6's ptxas spilled
+    4 bytes in the backward), small ones in the interpreter."""
+    return _block_config(x.shape[-1], x.element_size() if rows_aligned(x) else 4,
+                         x.device.type in COMPILED_DEVICES)
+
+
+def sweep_config(x: torch.Tensor, entropy: bool = False, token_map: bool = False) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` of the forward sweep (the online softmax of the log-prob and token-terms kernels) over
+    the rows of ``x [..., V]``: on GPU 4096 elements at 4 warps, 32 a thread a trip whatever the dtype (512, 4 a
+    thread, when the rows are not 16-byte aligned: each element then has a load and an address of its own; 32
+    spilled with triton 3.9, 8 with 3.6). Against :func:`block_config`'s 16 a thread at 8 warps, with the folded
+    temperature, the flushing ``exp2`` and the per-thread groups of :func:`_row_stats` (no reduction across threads
+    in the loop): 6.7 SASS instructions an element of a bf16 row for sm_90 instead of 15.1
+    (``python -m bench.compare_compiled``). Small blocks in the interpreter. The compile gate derives the block of
+    every flag combination through this function (``entropy``, ``token_map``: the variants that once spilled, kept
+    as arguments so that a split stays possible)."""
+    return _sweep_config(x.shape[-1], x.device.type in COMPILED_DEVICES, rows_aligned(x))
+
+
+def register_budget(x: torch.Tensor, warps: int, programs_per_sm: int = 1) -> dict:
+    """``maxnreg`` for a row kernel: the register file's share of ``programs_per_sm`` programs of ``warps`` warps an
+    SM (248 at 4 warps, 128 at 16). Without it ptxas 12.8 (triton 3.6) and the 3.9 wheel's pick a lower target of
+    their own for some variants and spill a few bytes to meet it (48 registers and 8 bytes spilled where 80 fit; the
+    GRPO token-terms kernel with its gradient sweep at T = 1: 96 registers, 4 bytes); with it they take what the
+    code needs. Nothing off the compiled path."""
+    if x.device.type not in COMPILED_DEVICES:
+        return {}
+    return {"maxnreg": min(255, 65536 // (32 * warps * programs_per_sm)) // 8 * 8}
+
+
+def rows_aligned(x: torch.Tensor) -> bool:
+    """Whether every row of ``x [..., V]`` starts 16-byte aligned as Triton sees it (pointer and row strides
+    divisible by 16): its loads are then 16 bytes wide."""
+    bits = x.data_ptr()
+    for st in x.stride()[:-1]:  # (a loop, not all() over a generator: this runs on every call's host path)
+        bits |= st
+    return bits % 16 == 0
 
 
 def fwd_block(x: torch.Tensor, entropy: bool, token_map: bool) -> int:
-    """``BLOCK_V`` of the forward kernel: :func:`block_config`'s, halved for the entropy variant with a token map
-    (at 8 KiB, triton 3.6 spilled 8 bytes for sm_80 with bf16 logits). The compile gate derives the block of every
-    flag combination through this function too."""
-    block = block_config(x)[0]
-    return max(block // 2, 1) if entropy and token_map and x.device.type in COMPILED_DEVICES else block
+    """``BLOCK_V`` of the forward kernel (:func:`sweep_config`)."""
+    return sweep_config(x, entropy, token_map)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _sweep_config(V, compiled, aligned):  # at least GROUP elements (_row_stats' groups)
+    if compiled:
+        return max(min(triton.next_power_of_2(V), 4096 if aligned else 512), GROUP), 4
+    return max(min(triton.next_power_of_2(V), 128), GROUP), 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,45 +93,143 @@ def device_guard(t: torch.Tensor):
 
 @jit
 def _row_base(ptr, r, T, s_b, s_t):
-    """Pointer to row ``r`` of a ``[B, T, ...]`` view with strides ``(s_b, s_t)``, in int64."""
-    r64 = r.to(tl.int64)
-    return ptr + (r64 // T) * s_b + (r64 % T) * s_t
+    """Pointer to row ``r`` of a ``[B, T, ...]`` view with strides ``(s_b, s_t)``, the offset in int64. The row
+    splits into ``(b, t)`` in int32 (:func:`_bt`)."""
+    b, t = _bt(r, T)
+    return ptr + b.to(tl.int64) * s_b + t.to(tl.int64) * s_t
 
 
 @jit
-def _row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
-    """Online softmax over one row: ``(lse, sum p*z)`` of ``z = x * inv_t`` (second is 0 without ENTROPY)."""
+def _bt(r, T):
+    """``(r // T, r % T)`` in int32: ``r`` is a row or token index (a grid coordinate, or one of the ``B * T`` tokens
+    of a batch), below 2^31. In int64 each division is a call to a ~70-instruction subroutine, around which
+    ptxas 12.8 (triton 3.6) spilled a few bytes in the folded kernels."""
+    r32 = r.to(tl.int32)
+    b = r32 // T
+    return b, r32 - b * T
+
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x log2(e))
+
+
+def _exp2_interpreted(x):
+    return tl.exp2(x)
+
+
+@jit(interpret_as=_exp2_interpreted)
+def _exp2_ftz(x):
+    """``2^x`` as one ``MUFU.EX2`` (``ex2.approx.ftz.f32``): ``tl.exp2`` lowers to the non-flushing
+    ``ex2.approx.f32``, which ptxas guards for a denormal result with a compare and two predicated multiplies. The
+    only difference: a result below 2^-126 is 0 instead of a denormal, and a denormal input counts as 0 (2^0 = 1,
+    as it rounds to anyway). The interpreter, which runs no PTX, uses ``tl.exp2``."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@jit
+def _row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Online softmax over one row: ``(lse, sum p*z)`` of ``z = x * inv_t`` (second is 0 without ENTROPY).
+    ``EVICT_LAST``: the loads ask L2 to keep the row (a second sweep over it follows in the same program).
+
+    The sweep works on the raw logits ``x`` (``inv_t > 0``: the max of ``x`` is the max of ``z``) with ``1/T`` and
+    ``log2(e)`` folded into one factor ``c``: each element costs one FFMA and one ``MUFU.EX2``,
+    ``exp(z - m/T) = 2^(x c - m c)``. Terms below 2^-126 are flushed to 0 (:func:`_exp2_ftz`): the row's largest
+    term is 1, so no fp32 sum that holds it changes."""
     cols = tl.arange(0, BLOCK_V)
-    m = -float("inf")
-    d = 0.0
-    s = 0.0
-    for v0 in range(0, V, BLOCK_V):
-        c = v0 + cols
-        z = tl.load(base + c, mask=c < V, other=-float("inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, tl.max(z, 0))
-        # a row (or prefix) of -inf keeps m == -inf: shift by 0 instead so exp() gives 0, not NaN
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        e = tl.exp(z - m_safe)
-        d = d * alpha + tl.sum(e, 0)
-        if ENTROPY:
-            s = s * alpha + tl.sum(e * tl.where(e > 0, z, 0.0), 0)  # 0 * -inf would be NaN
-        m = m_new
-    lse = m + tl.log(d)
-    return lse, s / d
+    c = inv_t * LOG2E
+    # running state per group of GROUP elements (a thread's own: no reduction across threads inside the loop): max
+    # of the raw logits m, the shift k = m c (log2 units; -FLT_MAX while m is -inf) the sums are taken against, the
+    # sums (each used once after the loop: triton 3.6's thread-locality pass asserts that of a loop's results)
+    G: tl.constexpr = BLOCK_V // GROUP
+    m = tl.full([G], -float("inf"), tl.float32)
+    k = tl.full([G], NO_SHIFT, tl.float32)
+    d = tl.zeros([G], dtype=tl.float32)
+    s = tl.zeros([G], dtype=tl.float32)
+    full = V - V % BLOCK_V
+    for v0 in range(0, full, BLOCK_V):  # whole blocks: no mask, no -inf fill
+        if EVICT_LAST:
+            x = tl.load(base + v0 + cols, eviction_policy="evict_last").to(tl.float32)
+        else:
+            x = tl.load(base + v0 + cols).to(tl.float32)
+        m, k, d, s = _stats_step(tl.reshape(x, [G, GROUP]), m, k, d, s, c, ENTROPY)
+    # the last, partial block (always: all -inf when V is a whole number of blocks, which changes nothing; under an
+    # `if`, each loop result would have two uses, which triton 3.6's thread-locality pass asserts against)
+    col = full + cols
+    if EVICT_LAST:
+        x = tl.load(base + col, mask=col < V, other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
+    else:
+        x = tl.load(base + col, mask=col < V, other=-float("inf")).to(tl.float32)
+    m, k, d, s = _stats_step(tl.reshape(x, [G, GROUP]), m, k, d, s, c, ENTROPY)
+    # the groups into one, against the row's shift kr = fp32(mx c): sum 2^(x c) = 2^kr dsum exactly (each group's
+    # sums were taken against its own rounded shift k), so lse = mx / T + (log2 dsum - (mx c - kr)) ln 2 with the
+    # large part mx / T exact for T = 1 and the rounding of kr taken back (fma: mx c - kr exactly)
+    mx = tl.max(m, 0)
+    kr = tl.where(mx == -float("inf"), 0.0, mx * c)
+    scale = _exp2_ftz(k - kr)  # 0 for a group of -inf (k = -FLT_MAX)
+    dsum = tl.sum(d * scale, 0)
+    lse = mx * inv_t + (tl.log2(dsum) - tl.where(mx == -float("inf"), 0.0, tl.fma(mx, c, -kr))) * LN2
+    if ENTROPY:
+        return lse, tl.sum(s * scale, 0) * inv_t / dsum
+    return lse, 0.0
+
+
+GROUP = tl.constexpr(8)
+LN2 = tl.constexpr(0.6931471805599453)
+NO_SHIFT = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX: the shift of a group of -inf (x c - k stays -inf, not NaN)
 
 
 @jit
-def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr):
-    """Write ``g * (onehot(y) - exp(z - lse)) * inv_t`` for one row into ``out_base`` (may equal ``base``)."""
+def _stats_step(x, m, k, d, s, c, ENTROPY: tl.constexpr):
+    """One block ``x [groups, GROUP]`` of raw logits into each group's running max ``m``, shift ``k = m c``, sum
+    ``d`` of ``2^(x c - k)`` and sum ``s`` of those times ``x``; the sums are rescaled by ``2^(k_old - k_new)``,
+    exactly the change of the shift they were taken against."""
+    m_new = tl.maximum(m, tl.max(x, 1))
+    # a group (or prefix) of -inf keeps m == -inf: shift by -FLT_MAX, so that exp2 gives 0 (not NaN) and the
+    # rescale of its empty sums 1
+    k_new = tl.where(m_new == -float("inf"), NO_SHIFT, m_new * c)
+    alpha = _exp2_ftz(k - k_new)
+    e = _exp2_ftz(tl.fma(x, c, -k_new[:, None]))  # one FFMA whatever TRITON_DEFAULT_FP_FUSION says
+    d = d * alpha + tl.sum(e, 1)
+    if ENTROPY:
+        s = s * alpha + tl.sum(e * tl.where(e > 0, x, 0.0), 1)  # 0 * -inf would be NaN
+    return m_new, k_new, d, s
+
+
+@jit
+def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr, STREAM: tl.constexpr):
+    """Write ``g * (onehot(y) - exp(z - lse)) * inv_t`` for one row into ``out_base`` (may equal ``base``).
+
+    ``p = 2^((x / T - lse) log2(e))``: an FFMA (``x / T - lse`` rounded once) and a multiply before the ``exp2``,
+    which keeps its denormal results here (a gradient entry is not a term of a sum that holds a 1); the one-hot
+    compares each column with the label in int32 (``y`` is in ``[0, V)``; another value matches no column). Whole
+    blocks without masks.
+    ``STREAM``: the row is read for the last time (``evict_first``) and the gradient is written with streaming
+    stores (``.cs``), so that neither displaces the rows that other programs still have to read from L2."""
     cols = tl.arange(0, BLOCK_V)
     gs = g * inv_t
-    for v0 in range(0, V, BLOCK_V):
-        c = v0 + cols
-        z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32) * inv_t
-        p = tl.exp(z - lse)
-        dz = gs * (tl.where(c == y, 1.0, 0.0) - p)
-        tl.store(out_base + c, dz.to(out_base.dtype.element_ty), mask=c < V)
+    y32 = tl.where((y >= 0) & (y < V), y, -1).to(tl.int32)
+    full = V - V % BLOCK_V
+    for v0 in range(0, full, BLOCK_V):
+        if STREAM:
+            x = tl.load(base + v0 + cols, eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(base + v0 + cols).to(tl.float32)
+        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
+        if STREAM:
+            tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty), cache_modifier=".cs")
+        else:
+            tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty))
+    if full < V:
+        col = full + cols
+        if STREAM:
+            x = tl.load(base + col, mask=col < V, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(base + col, mask=col < V, other=0.0).to(tl.float32)
+        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(col == y32, gs, 0.0))
+        if STREAM:
+            tl.store(out_base + col, dz.to(out_base.dtype.element_ty), mask=col < V, cache_modifier=".cs")
+        else:
+            tl.store(out_base + col, dz.to(out_base.dtype.element_ty), mask=col < V)
 
 
 @jit
@@ -113,11 +250,15 @@ def _row_grad_store_entropy(base, out_base, V, y, lse, g, gh, h, inv_t, BLOCK_V:
 
 
 @jit
-def _row_zero(out_base, V, BLOCK_V: tl.constexpr):
+def _row_zero(out_base, V, BLOCK_V: tl.constexpr, STREAM: tl.constexpr = False):
     cols = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols
-        tl.store(out_base + c, tl.zeros([BLOCK_V], dtype=out_base.dtype.element_ty), mask=c < V)
+        if STREAM:
+            tl.store(out_base + c, tl.zeros([BLOCK_V], dtype=out_base.dtype.element_ty), mask=c < V,
+                     cache_modifier=".cs")
+        else:
+            tl.store(out_base + c, tl.zeros([BLOCK_V], dtype=out_base.dtype.element_ty), mask=c < V)
 
 
 @jit
@@ -137,12 +278,12 @@ def _token(r, n0, off0, off1, tok_ptr, Q, TOKEN_MAP: tl.constexpr):
 
 @jit
 def _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr, Q, T, V, inv_t, ignore_index,
-              BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, TOKEN_MAP: tl.constexpr):
+              BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, TOKEN_MAP: tl.constexpr, EVICT_LAST: tl.constexpr):
     """Logits row ``r``, its token ``q`` (:func:`_token`): ``(row pointer, q, label, valid, lse, sum p*z, logp)``;
     ``logp = z_y - lse``, 0 where ignored, NaN for a label outside ``[0, V)`` (only unchecked labels,
     ``validate=False``, reach the kernel so: the logit is not read, and the loss is NaN)."""
     base = _row_base(x_ptr, r, T, x_sb, x_st)
-    lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY)
+    lse, pz = _row_stats(base, V, inv_t, BLOCK_V, ENTROPY, EVICT_LAST)
     # the token and its label after the sweep: nothing but the row pointer stays live across it (the entropy
     # variant spilled under triton 3.6 with the label, and with the token map's entry, loaded first)
     q = _token(r, n0, off0, off1, tok_ptr, Q, TOKEN_MAP)
@@ -160,7 +301,7 @@ def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr
     """Logits row ``r``, token ``q`` (:func:`_token`): ``logp``, ``lse`` (and the entropy) of token ``q``."""
     r = tl.program_id(0)
     _base, q, _y, valid, lse, pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
-                                                   Q, T, V, inv_t, ignore_index, BLOCK_V, ENTROPY, TOKEN_MAP)
+                                                   Q, T, V, inv_t, ignore_index, BLOCK_V, ENTROPY, TOKEN_MAP, False)
     tl.store(logp_ptr + q, logp)
     tl.store(lse_ptr + q, lse)
     if ENTROPY:
@@ -186,16 +327,17 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w
     if y != ignore_index:
         g = tl.load(g_ptr + q).to(tl.float32)
         if ROW_WEIGHT:
-            g = g * tl.load(w_ptr + q // T)
+            b = _bt(q, T)[0]
+            g = g * tl.load(w_ptr + b)
             if has_w2 != 0:
-                g = g + tl.load(w2_ptr + q // T)
+                g = g + tl.load(w2_ptr + b)
             if has_go != 0:
                 g = g * tl.load(go_ptr).to(tl.float32)
         if ENTROPY:
             _row_grad_store_entropy(base, out_base, V, y, tl.load(lse_ptr + q), g, tl.load(gh_ptr + q),
                                     tl.load(h_ptr + q), inv_t, BLOCK_V)
         else:
-            _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + q), g, inv_t, BLOCK_V)
+            _row_grad_store(base, out_base, V, y, tl.load(lse_ptr + q), g, inv_t, BLOCK_V, False)
     else:
         _row_zero(out_base, V, BLOCK_V)
 
@@ -256,7 +398,7 @@ def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Opt
     rows, x_sb, x_st = logits_rows(logits, T)
     if rows == 0:
         return
-    block, warps = fwd_block(logits, ent is not None, tok is not None), block_config(logits)[1]
+    block, warps = sweep_config(logits, ent is not None, tok is not None)
     with device_guard(logits):
         launcher(_logprobs_fwd_kernel, logits)[(rows,)](
             # data

@@ -33,14 +33,16 @@ from torch import Tensor
 from .._jit import custom_op, jit, launcher
 from ..constants import AUX_PLANES, MODE_GRPO
 from ..logprobs.kernel import (
+    _bt,
     _row_base,
     _row_grad_store,
     _row_logp,
     _row_zero,
-    block_config,
     chunk_rows,
     device_guard,
     logits_rows,
+    register_budget,
+    sweep_config,
 )
 
 
@@ -52,17 +54,18 @@ def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
 
 
-@jit(do_not_specialize=["N", "Q", "n0", "off0", "off1", "adv_sb", "adv_st"])
-def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr,
-                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, Q, T, V, inv_t,
-                        ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr,
-                        MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr,
-                        TOKEN_MAP: tl.constexpr):
-    r = tl.program_id(0)  # row of the logits and of the gradient output
+@jit
+def _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, val_ptr, coef_ptr,
+           lse_ptr, aux_ptr, tok_ptr, r, N, Q, T, V, inv_t, ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0,
+           off0, off1, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr,
+           TOKEN_MAP: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """The per-token terms of logits row ``r`` (see the module's docstring), written at its token ``q``
+    (:func:`_token`); returns ``(row pointer, q, label, valid, lse, coef)`` for a gradient sweep after it.
+    ``EVICT_LAST``: the softmax sweep asks L2 to keep the row (a second sweep of it follows)."""
     plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
     # q: the token of the [B, T] inputs and outputs (:func:`_token`)
     base, q, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
-                                                  Q, T, V, inv_t, ignore_index, BLOCK_V, False, TOKEN_MAP)
+                                                  Q, T, V, inv_t, ignore_index, BLOCK_V, False, TOKEN_MAP, EVICT_LAST)
     delta = logp - tl.load(ref_ptr + q)
     if CLIP:
         dh = _clamp(delta, clip_lo, clip_hi)
@@ -81,7 +84,7 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
         for i in range(2, 4):  # GRPO's planes, zero (the buffer is not zero-filled first: one launch less)
             tl.store(aux_ptr + i * plane + q, 0.0)
     else:
-        a = tl.load(adv_ptr + (q // T) * adv_sb + (q % T) * adv_st).to(tl.float32)
+        a = tl.load(_row_base(adv_ptr, q, T, adv_sb, adv_st)).to(tl.float32)
         rho = tl.exp(dh)
         a1 = a * rho
         a2 = a * _clamp(rho, rho_lo, rho_hi)
@@ -104,12 +107,36 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
     tl.store(val_ptr + q, val)
     tl.store(coef_ptr + q, coef)
     tl.store(lse_ptr + q, lse)
+    return base, q, y, valid, lse, coef
+
+
+@jit
+def _grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, g, inv_t, BLOCK_V: tl.constexpr,
+              STREAM: tl.constexpr, ROW_WEIGHT: tl.constexpr):
+    """GRPO's gradient of logits row ``r`` (token ``q``): ``g (onehot - p) / T``, times ``w[b]`` with
+    ``ROW_WEIGHT``; zeros where ignored (``STREAM``: see :func:`_row_grad_store`)."""
+    out_base = _row_base(g_ptr, r, T, g_sb, g_st)
+    if valid:
+        if ROW_WEIGHT:
+            g = g * tl.load(w_ptr + _bt(q, T)[0])
+        _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V, STREAM)
+    else:
+        _row_zero(out_base, V, BLOCK_V, STREAM)
+
+
+@jit(do_not_specialize=["N", "Q", "n0", "off0", "off1", "adv_sb", "adv_st"])
+def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr,
+                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, Q, T, V, inv_t,
+                        ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr,
+                        MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr,
+                        TOKEN_MAP: tl.constexpr):
+    r = tl.program_id(0)  # row of the logits and of the gradient output
+    base, q, y, valid, lse, coef = _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb,
+                                          adv_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, r, N, Q, T, V, inv_t,
+                                          ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1,
+                                          BLOCK_V, MODE, CLIP, HAS_KL_REF, TOKEN_MAP, False)
     if GRAD:
-        out_base = _row_base(g_ptr, r, T, g_sb, g_st)
-        if valid:
-            _row_grad_store(base, out_base, V, y, lse, coef * tl.load(w_ptr + q // T), inv_t, BLOCK_V)
-        else:
-            _row_zero(out_base, V, BLOCK_V)
+        _grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, coef, inv_t, BLOCK_V, False, True)
 
 
 # ------------------------------------------------------------------ launcher (torch.library ops) and its caller
@@ -126,7 +153,7 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
     g = logits if grad_inplace or grad is None else grad
     _, g_sb, g_st = logits_rows(g, T)
     grpo = row_mode == MODE_GRPO
-    block, warps = block_config(logits)
+    block, warps = sweep_config(logits)
     with device_guard(logits):
         launcher(_token_terms_kernel, logits)[(rows,)](
             # data (unused pointers get ref: no variant of their own)
@@ -142,7 +169,8 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
             clip_lo=clip_lo, clip_hi=clip_hi, rho_lo=rho_lo, rho_hi=rho_hi, beta=beta, n0=n0, off0=off0, off1=off1,
             # constants
             BLOCK_V=block, MODE=row_mode, CLIP=clip_on, HAS_KL_REF=klref is not None,
-            GRAD=grad_inplace or grad is not None, TOKEN_MAP=tok is not None, num_warps=warps)
+            GRAD=grad_inplace or grad is not None, TOKEN_MAP=tok is not None, num_warps=warps,
+            **register_budget(logits, warps))
 
 
 # one launcher, two ops: the gradient into a buffer of its own or over the logits (a mutated argument of an op may
