@@ -10,8 +10,9 @@ Stages, in order (each one's output goes to ``DIR/gpu.log``; a failing stage is 
    device boundaries), fused linear at D = 4096 (dense and on the supervised tokens only) --
    with docs/design.md's tolerances (log-probs 2e-3 absolute, loss 2e-3, gradients 1e-2 relative norm);
 3. ``demo``: ``python -m humanline_kernels.demo --device cuda`` (2 seeds, one learning rate, 30 steps);
-4. ``host``, ``logits``, ``linear``, ``masks`` (``bench linear --ignored 0 50 75``: the supervised tokens only),
-   ``sync``: the benchmarks (``python -m bench NAME``), JSON and PNG into DIR;
+4. ``host``, ``logits``, ``tune`` (the launch table, ``DIR/tuned.json``), ``linear``, ``masks`` (``bench linear
+   --ignored 0 50 75``: the supervised tokens only), ``sync``: the benchmarks (``python -m bench NAME``), JSON and
+   PNG into DIR;
 5. ``e2e``: one DPO step of a 1.5 B Llama, offline (with and without a reference forward) vs humanline sync /
    lookahead / the authors' way, and stock ``trl.DPOTrainer`` vs ``HumanlineDPOTrainer`` in TRL's loop.
 
@@ -39,7 +40,7 @@ import torch
 
 from . import common
 
-STAGES = ("tests", "parity", "demo", "host", "logits", "linear", "masks", "sync", "e2e")
+STAGES = ("tests", "parity", "demo", "host", "logits", "tune", "linear", "masks", "sync", "e2e")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -138,10 +139,10 @@ def parity(N, V, D, device="cuda"):
     check("token_logprobs", lambda z: hk.token_logprobs(z, y), lambda z: hk.reference.token_logprobs(z, y), x,
           logp=True)
     # the dense losses twice: the default path, then the finalize folded into the row kernel (issue 53; off by
-    # default until this run's GPU tests and these rows have checked it)
+    # default until this run's GPU tests and these rows have checked it; on CPU tests/test_fold.py checks the fold)
     from humanline_kernels.ops import constants
     before = constants.FOLD_FINALIZE
-    for fold in (False, True):
+    for fold in (False, True) if dev == "cuda" else (False,):
         constants.FOLD_FINALIZE = fold
         for c in (clip, None):
             tag = ("clip" if c else "noclip") + (" fold" if fold else "")
@@ -266,9 +267,10 @@ def main(argv=None):
     report = {"env": _env(), "stages": {}}
     log.write(json.dumps(report["env"]) + "\n")
     py = sys.executable
-    budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "linear": 150, "masks": 150, "sync": 120,
-               "e2e": 300}  # 9 arms x (build + 13 steps of ~0.2 s), 3 of them TRL trainers (their imports and
-    # dataset tokenization): ~2-3 min expected (estimated), margin for Triton compiles
+    # e2e: 9 arms x (build + 13 steps of ~0.2 s), 3 of them TRL trainers (their imports and dataset tokenization):
+    # ~2-3 min expected (estimated), margin for Triton compiles; tune: 20 compiles and 60 timings (estimated < 2 min)
+    budgets = {"tests": 240, "demo": 120, "host": 90, "logits": 150, "tune": 150, "linear": 150, "masks": 150,
+               "sync": 120, "e2e": 300}
     # -v -rfE: every failure is named in the log as it happens, and HK_FAILURE_LOG (tests/conftest.py) gets its
     # traceback then too, so a stage killed at its budget still says what failed and why
     suite = [py, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "tests"]
@@ -287,6 +289,9 @@ def main(argv=None):
                  "--steps", "30", "--plot", os.path.join(a.out, "demo-dpo.png")],
         "host": [py, "-m", "bench", "host", "--out", a.out],
         "logits": [py, "-m", "bench", "logits", "--out", a.out, "--vocab", "32000", "128256", "151936"],
+        # issue 53, target 4: the table the launchers read, into DIR/tuned.json (commit it as
+        # humanline_kernels/ops/tuned.json after the compile gate passes with it)
+        "tune": [py, "-m", "bench", "tune", "--out", a.out],
         "linear": [py, "-m", "bench", "linear", "--out", a.out, "--chunk-mib", "512", "1024"],
         # issue 33: the supervised tokens only against the dense GEMM floor at prompt-like masks, and the peers
         "masks": [py, "-m", "bench", "linear", "--out", a.out, "--chunk-mib", "512", "--ignored", "0", "50", "75"],

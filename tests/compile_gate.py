@@ -312,10 +312,13 @@ def _cases():
                 (f"logprobs_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: bwd(s, dt, False)),
                 (f"scale_rows {dn} {sn}", aligned, lambda dt=dt, s=sn: scale(s, dt)),
             ]
+            # (fp16: its switch combinations at the aligned shape only; it compiles as bf16 but for the conversions,
+            # and the fold's variants are the gate's most expensive compiles)
             cases += [(f"fold {kind} {variant} {dn} {sn}", aligned, lambda dt=dt, s=sn, k=kind, v=variant:
                        fold(s, dt, k, v)) for kind, variant in (("dpo", ""), ("kto", "kl_rows"), ("grpo", "none"),
                                                                 ("grpo", "rows new"), ("grpo", "persistent shared new"),
-                                                                ("grpo", "persistent rows inplace"))]
+                                                                ("grpo", "persistent rows inplace"))
+                      if dn != "fp16"]
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
                 cases.append((f"loss_bwd inplace=False {dn} {sn}", aligned, lambda dt=dt, s=sn: loss_bwd(s, dt, False)))
     for dn in ("bf16", "fp32"):
@@ -344,7 +347,35 @@ def _cases():
             if sn == "aligned":
                 cases.append((f"finalize {kind} {variant} {sn} contiguous labels", False,
                               lambda s=sn, k=kind, v=variant: finalize(s, k, v, False)))
+    # every configuration of the committed tuning table (humanline_kernels/ops/tuning.py), forced on its family's
+    # kernels in the aligned shape and the entry's dtype: a tuned launch is spill-free before it lands (the switch
+    # combinations derived from these launches go back to the default blocks where a launch rule derives them)
+    from humanline_kernels.ops import tuning
+    dtypes = {v: k for k, v in tuning.DTYPES.items()}
+
+    def tuned_calls(family, dt):
+        return {
+            "fwd": (lambda: fwd("aligned", dt, False), lambda: fwd("aligned", dt, True)),
+            "terms": (lambda: terms("aligned", dt, 1, True, False, None),
+                      lambda: terms("aligned", dt, P.MODE_GRPO, True, True, "new"),
+                      lambda: fold("aligned", dt, "dpo", ""), lambda: fold("aligned", dt, "kto", "kl_rows"),
+                      lambda: fold("aligned", dt, "grpo", "none"), lambda: fold("aligned", dt, "grpo", "rows new")),
+            "bwd": (lambda: bwd("aligned", dt, False), lambda: bwd("aligned", dt, True, True),
+                    lambda: loss_bwd("aligned", dt, False), lambda: scale("aligned", dt)),
+            "gif": tuple(lambda v=v: fold("aligned", dt, "grpo", v, True, True) for v in GIF_VARIANTS[3:]),
+        }[family]
+    for family, dn, block, warps in tuning.entries():
+        for i in range(len(tuned_calls(family, None))):
+            cases.append((f"tuned {family} {dn} BLOCK_V={block} warps={warps} #{i}", True,
+                          lambda f=family, d=dtypes[dn], b=block, w=warps, i=i: _tuned(f, b, w,
+                                                                                       tuned_calls(f, d)[i])))
     return cases
+
+
+def _tuned(family, block, warps, call):
+    from humanline_kernels.ops import tuning
+    with tuning.forced(family, block, warps):
+        call()
 
 
 _LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
@@ -374,6 +405,11 @@ def _launch_rules():
         return dict(kw, BLOCK_V=block, BLOCK_B=bb, BLOCK_T=bt, num_warps=warps,
                     **FOLD._register_budget(x, warps, persistent))
     return {"_logprobs_fwd_kernel": fwd, "_grpo_loss_kernel": grpo_fold}
+
+
+# fewer bases for the folded kernels (ops/finalize/folded.py): each compile is a row kernel and a loss tail, and their
+# listed cases already cover every switch combination at the aligned shape in each dtype
+_MAX_BASES = {"_grpo_loss_kernel": 3, "_dpo_loss_kernel": 3, "_kto_loss_kernel": 3}
 
 
 def derived_variants(launches, max_bases=6):
@@ -408,7 +444,7 @@ def derived_variants(launches, max_bases=6):
             key = (aligned, *sorted((k, str(v.dtype) if isinstance(v, torch.Tensor) else
                                 _int_class(v) if isinstance(v, int) and not isinstance(v, bool) else None)
                                for k, v in kwargs.items() if k not in switches and k not in _LAUNCH_OPTIONS))
-            if key not in keys and len(bases) < max_bases:
+            if key not in keys and len(bases) < _MAX_BASES.get(kernel.fn.__name__, max_bases):
                 keys.add(key)
                 bases.append((kwargs, grid, aligned))
         names = sorted(switches)

@@ -25,7 +25,7 @@ def test_help_lists_every_suite():
     assert r.returncode == 0 and r.stderr == ""
     for name in SUITES:
         assert f"  {name} " in r.stdout
-    assert set(SUITES) == {"logits", "linear", "sync", "host", "e2e", "checkpoint", "gpu", "report"}
+    assert set(SUITES) == {"logits", "linear", "sync", "host", "e2e", "checkpoint", "tune", "gpu", "report"}
 
 
 @pytest.mark.parametrize("args", [(), ("nope",)])

@@ -43,6 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import constants as C
+from .. import tuning
 from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
 from ..constants import GRPO_AGGREGATION
 from ..logprobs.kernel import _bt, device_guard, logits_rows, register_budget, rows_aligned, sweep_config
@@ -299,7 +300,7 @@ def _dpo_out(logits: Tensor, labels: Tensor, ref: Tensor, val: Tensor, coef: Ten
              ignore_index: int, beta: float, label_smoothing: float) -> None:
     B, T = labels.shape
     rows, x_sb, x_st = logits_rows(logits, T)
-    block, warps = sweep_config(logits)
+    block, warps = sweep_config(logits, family="terms")
     tile, bb, bt = fold_config(logits, B, warps)
     n_tiles, part, ctr = _workspace(logits, B, T, tile, 3)
     _launch(_dpo_loss_kernel, logits, (rows,),
@@ -323,7 +324,7 @@ def _kto_out(logits: Tensor, labels: Tensor, ref: Tensor, desirable: Tensor, kl:
              clip_hi: float, inv_t: float, ignore_index: int, beta: float, lam_d: float, lam_u: float) -> None:
     B, T = labels.shape
     rows, x_sb, x_st = logits_rows(logits, T)
-    block, warps = sweep_config(logits)
+    block, warps = sweep_config(logits, family="terms")
     has_kl = kl is not None
     BK, TK = kl.shape if has_kl else (0, 0)
     tile, bb, bt = fold_config(logits, min(B, BK) if has_kl else B, warps)
@@ -394,7 +395,7 @@ def grpo_config(x: Tensor, grad_mode: int) -> tuple[int, int]:
     at the 248-register budget, two sweeps and the tail in one program)."""
     if grad_mode >= 2:
         return gif_config(x)
-    block, warps = sweep_config(x)
+    block, warps = sweep_config(x, family="terms")
     if grad_mode == 1 and x.element_size() == 4 and x.device.type in COMPILED_DEVICES:
         block = max(block // 2, 8)
     return block, warps
@@ -409,10 +410,25 @@ def gif_config(x: Tensor) -> tuple[int, int]:
     0.6 KB; at 8 warps and 64 bytes both grow to 250 registers: the row loop keeps its blocks' offsets live across
     rows.) The interpreter's small blocks."""
     if x.device.type in COMPILED_DEVICES:
-        per_thread = C.GIF_BYTES_PER_THREAD >> (_arch(x.device) < 90)
-        per_thread = per_thread // x.element_size() if rows_aligned(x) else 8
-        return max(min(triton.next_power_of_2(x.shape[-1]), per_thread * 32 * C.GIF_WARPS), 8), C.GIF_WARPS
-    return sweep_config(x)
+        aligned = rows_aligned(x)
+        card = tuning.device_name(x.device) if aligned and x.is_cuda else None
+        return _gif_config(x.shape[-1], x.element_size(), aligned, _arch(x.device), card, x.dtype,
+                           C.GIF_BYTES_PER_THREAD, C.GIF_WARPS)
+    tuned = tuning.lookup("gif", None, None, x.shape[-1])  # (a forced candidate: bench tune's CPU check)
+    return tuning.clamp(tuned, x.shape[-1]) if tuned else sweep_config(x, family="terms")
+
+
+@functools.lru_cache(maxsize=None)
+def _gif_config(V, element_size, aligned, arch, card, dtype, bytes_per_thread, warps):
+    tuned = tuning.lookup("gif", card, tuning.DTYPES.get(dtype), V)
+    if tuned:  # (a table entry names the block in elements: no halving for sm_80, which compiles it as it is)
+        return tuning.clamp(tuned, V)
+    per_thread = bytes_per_thread >> (arch < 90)
+    per_thread = per_thread // element_size if aligned else 8
+    return max(min(triton.next_power_of_2(V), per_thread * 32 * warps), 8), warps
+
+
+tuning.CLEARS.append(_gif_config.cache_clear)
 
 
 def _arch(device: torch.device) -> int:

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import tuning
 from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
 
 
@@ -30,11 +31,13 @@ def block_config(x: torch.Tensor) -> tuple[int, int]:
     elements, two or four 16-byte loads a thread at 8 warps: 4096 fp32 made the entropy variant spill with
     triton 3.6; 2048 elements, 8 a thread, when the rows are not 16-byte aligned: at 16, triton 3.6's ptxas spilled
     4 bytes in the backward), small ones in the interpreter."""
-    return _block_config(x.shape[-1], x.element_size() if rows_aligned(x) else 4,
-                         x.device.type in COMPILED_DEVICES)
+    aligned = rows_aligned(x)
+    return _block_config(x.shape[-1], x.element_size() if aligned else 4, x.device.type in COMPILED_DEVICES,
+                         tuning.device_name(x.device) if aligned and x.is_cuda else None, x.dtype)
 
 
-def sweep_config(x: torch.Tensor, entropy: bool = False, token_map: bool = False) -> tuple[int, int]:
+def sweep_config(x: torch.Tensor, entropy: bool = False, token_map: bool = False,
+                 family: str = "fwd") -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` of the forward sweep (the online softmax of the log-prob and token-terms kernels) over
     the rows of ``x [..., V]``: on GPU 4096 elements at 4 warps, 32 a thread a trip whatever the dtype (512, 4 a
     thread, when the rows are not 16-byte aligned: each element then has a load and an address of its own; 32
@@ -43,8 +46,12 @@ def sweep_config(x: torch.Tensor, entropy: bool = False, token_map: bool = False
     in the loop): 6.7 SASS instructions an element of a bf16 row for sm_90 instead of 15.1
     (``python -m bench.compare_compiled``). Small blocks in the interpreter. The compile gate derives the block of
     every flag combination through this function (``entropy``, ``token_map``: the variants that once spilled, kept
-    as arguments so that a split stays possible)."""
-    return _sweep_config(x.shape[-1], x.device.type in COMPILED_DEVICES, rows_aligned(x))
+    as arguments so that a split stays possible). ``family``: the tuning table's (:mod:`..tuning`; ``"fwd"`` for
+    the log-prob kernel, ``"terms"`` for the token-terms and folded kernels), which overrides these defaults on a
+    tuned card."""
+    aligned = rows_aligned(x)
+    return _sweep_config(x.shape[-1], x.device.type in COMPILED_DEVICES, aligned,
+                         tuning.device_name(x.device) if aligned and x.is_cuda else None, x.dtype, family)
 
 
 def register_budget(x: torch.Tensor, warps: int, programs_per_sm: int = 1) -> dict:
@@ -73,17 +80,26 @@ def fwd_block(x: torch.Tensor, entropy: bool, token_map: bool) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _sweep_config(V, compiled, aligned):  # at least GROUP elements (_row_stats' groups)
+def _sweep_config(V, compiled, aligned, card, dtype, family):  # at least GROUP elements (_row_stats' groups)
+    tuned = tuning.lookup(family, card, tuning.DTYPES.get(dtype), V)
+    if tuned:
+        return tuning.clamp(tuned, V, GROUP)
     if compiled:
         return max(min(triton.next_power_of_2(V), 4096 if aligned else 512), GROUP), 4
     return max(min(triton.next_power_of_2(V), 128), GROUP), 1
 
 
 @functools.lru_cache(maxsize=None)
-def _block_config(V, element_size, compiled):  # (asked on every launch: looked up, not recomputed)
+def _block_config(V, element_size, compiled, card, dtype):  # (asked on every launch: looked up, not recomputed)
+    tuned = tuning.lookup("bwd", card, tuning.DTYPES.get(dtype), V)
+    if tuned:
+        return tuning.clamp(tuned, V, 1)
     if compiled:
         return min(triton.next_power_of_2(V), 8192 // element_size), 8
     return min(triton.next_power_of_2(V), 128), 1
+
+
+tuning.CLEARS += [_sweep_config.cache_clear, _block_config.cache_clear]
 
 
 def device_guard(t: torch.Tensor):

@@ -153,7 +153,7 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
     g = logits if grad_inplace or grad is None else grad
     _, g_sb, g_st = logits_rows(g, T)
     grpo = row_mode == MODE_GRPO
-    block, warps = sweep_config(logits)
+    block, warps = sweep_config(logits, family="terms")
     with device_guard(logits):
         launcher(_token_terms_kernel, logits)[(rows,)](
             # data (unused pointers get ref: no variant of their own)

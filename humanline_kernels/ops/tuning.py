@@ -1,0 +1,142 @@
+"""Launch configurations tuned on a GPU (issue 53, target 4): ``(BLOCK_V, num_warps)`` per card, logits dtype, kernel
+family and vocabulary size, read by the launchers from ``tuned.json`` beside this file.
+
+``python -m bench tune`` times each family's :data:`CANDIDATES` on the lent GPU (a candidate that spills there is
+dropped) and writes the table; the compile gate (tests/compile_gate.py) compiles every configuration of the
+committed table for sm_90 and sm_80, so a tuned configuration is spill-free on both version pairs before it lands.
+An entry applies to CUDA tensors of that card (``torch.cuda.get_device_name``) whose rows are 16-byte aligned and
+of that dtype, at the nearest measured vocabulary size within a factor of 2; everything else keeps the launchers'
+defaults. Malformed entries are ignored (a table can only choose among valid launches). Families:
+
+* ``fwd``: ``token_logprobs``' forward sweep (``_logprobs_fwd_kernel``);
+* ``terms``: the token-terms kernel and the folded DPO / KTO / GRPO kernels with one program a row;
+* ``bwd``: the read-and-write passes (``_logprobs_bwd_kernel``, ``_scale_rows_kernel``);
+* ``gif``: GRPO's persistent gradient-in-forward grid (``ops/finalize/folded.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+
+import torch
+
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")
+FAMILIES = ("fwd", "terms", "bwd", "gif")
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# what `bench tune` times, in elements a block for a 2-byte dtype (the defaults first): a thread's share is
+# BLOCK_V / (32 num_warps) elements a trip
+CANDIDATES = {
+    "fwd": ((4096, 4), (2048, 4), (8192, 4), (4096, 8), (8192, 8)),
+    "terms": ((4096, 4), (2048, 4), (8192, 4), (4096, 8), (8192, 8)),
+    "bwd": ((4096, 8), (2048, 4), (4096, 4), (8192, 8), (8192, 16)),
+    "gif": ((8192, 16), (4096, 16), (16384, 16), (4096, 8), (8192, 8)),
+}
+_WARPS = (1, 2, 4, 8, 16)
+CLEARS = []  # the launchers' cached configurations, cleared when the table or a forced candidate changes
+_table = None
+_forced = {}
+
+
+def device_name(device: torch.device):
+    """The card's name for a CUDA device (the table's key), else None: only CUDA tensors are tuned."""
+    return _cuda_name(device.index or 0) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table() -> dict:
+    """The table as loaded (``{"devices": {name: {dtype: {family: {V: [BLOCK_V, num_warps]}}}}}``); an unreadable
+    file is an empty table."""
+    global _table
+    if _table is None:
+        try:
+            with open(TABLE_PATH) as f:
+                _table = json.load(f)
+        except (OSError, ValueError):
+            _table = {}
+        if not isinstance(_table, dict):
+            _table = {}
+    return _table
+
+
+def set_table(t) -> None:
+    """Use ``t`` (a dict as in ``tuned.json``; None: read the file again) from now on (tests, ``bench tune``)."""
+    global _table
+    _table = t
+    _changed()
+
+
+@contextlib.contextmanager
+def forced(family: str, block: int, warps: int):
+    """Within: every launch of ``family`` on any device uses ``(block, warps)`` (clamped to the row as a table
+    entry is): ``bench tune``'s candidates and the tests."""
+    _forced[family] = (block, warps)
+    _changed()
+    try:
+        yield
+    finally:
+        _forced.pop(family, None)
+        _changed()
+
+
+def _changed():
+    for clear in CLEARS:
+        clear()
+
+
+def lookup(family: str, name, dtype_key, V: int):
+    """The tuned ``(BLOCK_V, num_warps)`` for ``family`` on card ``name`` at vocabulary ``V`` (a forced candidate
+    first), or None. Called from the launchers' cached configuration functions, not on every call."""
+    if family in _forced:
+        return _valid(_forced[family])
+    if name is None or family not in FAMILIES:
+        return None
+    try:
+        entries = table()["devices"][name][dtype_key][family]
+        best = min(entries, key=lambda v: abs(math.log(int(v) / V)))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if abs(math.log(int(best) / V)) > math.log(2):
+        return None
+    return _valid(entries[best])
+
+
+def _valid(entry):
+    """``(block, warps)`` if ``entry`` is a launch the kernels accept (a power-of-2 block of 8 to 32768 elements,
+    1-16 warps, at least one element a thread), else None."""
+    try:
+        block, warps = (int(v) for v in entry)
+    except (TypeError, ValueError):
+        return None
+    if block < 8 or block > 32768 or block & (block - 1) or warps not in _WARPS or block < 32 * warps:
+        return None
+    return block, warps
+
+
+def clamp(entry, V: int, least: int = 8) -> tuple[int, int]:
+    """A tuned entry for a row of ``V``: the block no wider than the row's next power of 2 (at least ``least``)."""
+    block, warps = entry
+    return max(min(block, 1 << max(V - 1, 0).bit_length()), least), warps
+
+
+def entries(t=None) -> list:
+    """Every distinct ``(family, dtype, BLOCK_V, num_warps)`` of a table (the compile gate's cases)."""
+    t = table() if t is None else t
+    out = set()
+    try:
+        for per_dtype in (t.get("devices") or {}).values():
+            for dtype_key, per_family in (per_dtype or {}).items():
+                for family, per_v in (per_family or {}).items():
+                    for v, entry in (per_v or {}).items():
+                        ok = _valid(entry)
+                        if ok and family in FAMILIES and dtype_key in DTYPES.values() and str(v).isdigit():
+                            out.add((family, dtype_key, *ok))
+    except (AttributeError, TypeError):  # a table of the wrong shape: what was read so far
+        pass
+    return sorted(out)
