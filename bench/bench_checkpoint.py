@@ -9,7 +9,6 @@ writes ``checkpoint.json`` (with the machine, versions and shapes) and ``checkpo
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shutil
@@ -17,9 +16,11 @@ import sys
 import tempfile
 import time
 
+from .cli import Parser
+
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m bench checkpoint", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)

@@ -40,7 +40,6 @@ run exits 1 when they disagree. A requested arm brings its baseline and the arm 
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import itertools
@@ -49,6 +48,8 @@ import os
 import statistics
 import sys
 import time
+
+from .cli import Parser
 
 # torch (and .common, which imports it) are imported by main() once the flags are read: a bad flag is answered
 # before seconds of imports
@@ -77,12 +78,6 @@ FULL = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, voc
 QUICK = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, batch=4, seq=32,
              warmup=3, steps=4, lr=1e-3)
 N_BATCHES = 4  # distinct batches, cycled: step i uses batch i % 4 in every arm
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"{self.prog}: error: {message} ({self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 # --------------------------------------------------------------------------------------------------- the model
@@ -320,7 +315,7 @@ def _checks(res, precision):
 
 
 def main(argv=None):
-    p = _Parser(prog="python -m bench e2e", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench e2e", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU, seconds (a smoke run)")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS,

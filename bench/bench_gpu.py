@@ -24,7 +24,6 @@ logits linear sync``).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import itertools
@@ -39,6 +38,7 @@ import time
 import torch
 
 from . import common
+from .cli import Parser
 
 STAGES = ("tests", "parity", "demo", "host", "logits", "tune", "linear", "masks", "sync", "e2e")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,7 +246,7 @@ def _env():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join("bench", "out"),
                    help="directory for gpu.log, gpu.json and the benchmarks' JSON/PNG (default bench/out)")
     p.add_argument("--skip", nargs="*", default=[], choices=STAGES, help="stages to leave out")

@@ -16,7 +16,6 @@ harness (eager paths; launch counts are then aten ops, not kernels).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import statistics
@@ -25,6 +24,7 @@ import time
 import torch
 
 from . import common
+from .cli import Parser
 
 
 def _calls(N, V, D, device, dtype):
@@ -199,7 +199,7 @@ def run_proxy(calls, repeats, out_dir, triton=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench host", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench host", description=__doc__.split("\n")[0])
     p.add_argument("--proxy", action="store_true", help="the host's glue on CPU, launches stubbed (no GPU needed)")
     p.add_argument("--triton", action="store_true",
                    help="--proxy: also through Triton's own launch path (compiles each variant for sm_90 once)")

@@ -19,12 +19,12 @@ counted on the CPU (bench/live_bytes.py), against the target (at most the floor'
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
 from . import common
+from .cli import Parser
 
 GiB = float(1 << 30)
 
@@ -148,7 +148,7 @@ def _cases(h, w, y, ref, adv, chunk_bytes, quick, supervised=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench linear", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench linear", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
     p.add_argument("--rows", type=int, default=8)

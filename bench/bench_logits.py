@@ -13,11 +13,10 @@ Baselines: eager fp32 ``log_softmax + gather``, its ``torch.compile`` version, L
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from . import common
+from .cli import Parser
 
 VOCABS = (32000, 128256, 151936, 262144)
 
@@ -163,7 +162,7 @@ def run(N, vocabs, *, quick, only=None, out_dir="bench/out"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench logits", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m bench logits", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke of the harness (seconds)")
     p.add_argument("--out", default="bench/out", help="output directory for JSON and PNG")
     p.add_argument("--n", type=int, default=None, help="tokens (default 8192; 64 with --quick)")

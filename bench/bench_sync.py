@@ -19,7 +19,6 @@ which a 1 % overhead needs.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from . import common
+from .cli import Parser
 
 
 def time_reps(fn, reps=20, warmup=3) -> float:
@@ -185,7 +185,7 @@ def bench_fsdp2(device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench sync", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench sync", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
     p.add_argument("--gemms", type=int, default=60)

@@ -17,7 +17,6 @@ the interpreter (nothing is written to the package).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,15 +25,10 @@ import time
 import torch
 
 from . import common
+from .cli import Parser
 
 VOCABS = (32000, 128256, 151936)
 GAIN = 0.02  # a candidate must beat the default by this much to become an entry
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"{self.prog}: error: {message} ({self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def family_call(family, N, V, device):
@@ -155,7 +149,7 @@ def run(N, vocabs, families, *, quick, out_dir, write):
 
 def main(argv=None):
     from humanline_kernels.ops import tuning
-    p = _Parser(prog="python -m bench tune", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny CPU run of the harness through the interpreter")
     p.add_argument("--out", default="bench/out", help="output directory for tune.json, tuned.json and the PNG")
     p.add_argument("--n", type=int, default=None, help="tokens (default 8192; 16 with --quick)")

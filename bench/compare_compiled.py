@@ -18,7 +18,6 @@ Writes ``<out>/compare_compiled.json`` (versions, shapes, every number printed);
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import gc
@@ -34,6 +33,8 @@ import warnings
 
 import torch
 
+from .cli import Parser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the [fold] cases: the same calls with the finalize folded into the row kernel (issue 53; bench logits' rows of
 # that name; off by default until a GPU run has checked it)
@@ -44,12 +45,6 @@ SHORT = dict(zip(CASES, ("tlp", "grpo", "grpo-gif", "dpo", "kto", "grpo-fold", "
                          "kto-fold", "liger")))  # the summary's "used by" column
 # per-SM limits of the occupancy estimate: registers, threads, resident CTAs, shared memory, reserved a CTA (bytes)
 LIMITS = {90: (65536, 2048, 32, 228 * 1024, 1024), 80: (65536, 2048, 32, 164 * 1024, 1024)}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"{self.prog}: error: {message} ({self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def _say(msg):
@@ -477,7 +472,7 @@ def _git():
 
 
 def main(argv=None):
-    p = _Parser(prog="python -m bench.compare_compiled", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench.compare_compiled", description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, nargs="+", default=[90], choices=sorted(LIMITS), help="GPU archs (sm_XX)")
     p.add_argument("--vocab", type=int, nargs="+", default=[128256, 32000], help="vocabulary sizes")
     p.add_argument("--n", type=int, default=8192, help="tokens (even: DPO and KTO take two rows of N / 2)")

@@ -30,13 +30,14 @@ final rounding). bench linear's default (512 MiB chunks of a 128256 vocabulary i
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import time
 
 import torch
+
+from .cli import Parser
 
 N_ROWS, T, V, D_LOGITS, D_MEAS = 8, 1024, 128256, 1024, 256
 PROMPT = T // 4
@@ -198,7 +199,7 @@ def table(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.dw_accumulation", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench.dw_accumulation", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join("bench", "out"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--margin-max", type=float, default=18.0,

@@ -29,7 +29,6 @@ beyond its inputs, its returned gradients included).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 
@@ -37,6 +36,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .cli import Parser
 
 GiB = float(1 << 30)
 GRANULE = 512  # the CUDA caching allocator's block rounding (kMinBlockSize)
@@ -241,7 +242,7 @@ def table(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench linear --live-bytes", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench linear --live-bytes", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k}", type=int, default=v)

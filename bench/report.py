@@ -18,7 +18,6 @@ the same in CI). Paths are relative to the project's root.
 """
 from __future__ import annotations
 
-import argparse
 import difflib
 import glob
 import json
@@ -26,15 +25,11 @@ import os
 import re
 import sys
 
+from .cli import Parser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 BLOCK = re.compile(r"<!-- (benchmarks|demo-table): ([^>]*?) -->\n(.*?)<!-- /\1 -->", re.S)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"{self.prog}: error: {message} ({self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 # ------------------------------------------------------------------------------------------------- formatting
@@ -283,7 +278,7 @@ def regenerate(text, runs=None):
 
 
 def main(argv=None):
-    p = _Parser(prog="python -m bench report", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench report", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="*", metavar="RUN",
                    help="committed GPU runs, newest first (e.g. bench/results/2026-11-26-h200)")
     p.add_argument("--readme", nargs="?", const=README, default=None, metavar="PATH",

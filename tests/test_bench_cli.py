@@ -35,6 +35,15 @@ def test_bad_suite_is_one_line(args):
     assert len(r.stderr.strip().splitlines()) == 1 and "python -m bench --help" in r.stderr
 
 
+@pytest.mark.parametrize("suite", ["logits", "linear", "sync", "host", "e2e", "checkpoint", "tune", "gpu", "report"],
+                         ids=lambda s: f"bench-{s}")  # (an id "gpu" would be the gpu marker's keyword: skipped)
+def test_every_suites_bad_flag_is_one_line(suite):
+    """bench/cli.py's parser in every program: a bad flag is one line on stderr, exit 2, no usage block."""
+    r = _bench(suite, "--bogus")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and f"python -m bench {suite} --help" in r.stderr, r.stderr
+
+
 def test_gpu_suite_refuses_cpu_in_one_line():
     r = _bench("gpu")
     assert r.returncode == 2 and "needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
