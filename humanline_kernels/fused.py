@@ -98,6 +98,8 @@ class _TokenLogprobs(torch.autograd.Function):
             g = torch.zeros_like(lse)
         elif y3 is not labels:  # shaped like the caller's labels: the eager backward indexes [B, T]
             g = g.reshape(y3.shape)
+        if grad_ent is not None and y3 is not labels:  # (the entropy's too: 2-D logits crashed the eager twin)
+            grad_ent = grad_ent.reshape(y3.shape)
         d = LP.logprobs_bwd(l3, y3, lse, g, p.temperature, p.ignore_index, out=l3 if inplace else None,
                             grad_entropy=grad_ent, entropy=ent)
         if inplace and LP is logprobs_eager:  # (the kernel's launcher bumps it itself)
