@@ -42,7 +42,8 @@ def test_sdist_has_everything_to_build_and_test(dists):
             "csrc/multi_tensor_copy.cpp", "csrc/multi_tensor_copy.h", "csrc/multi_tensor_copy_kernel.cu",
             "csrc/multi_tensor_copy_kernel.cuh", "tests/conftest.py", "tests/_dist.py",
             "tests/compile_gate.py", "tests/test_fused_losses.py", "docs/kernels.md", "examples/tiny.py",
-            "examples/data/toy_preferences.jsonl", "humanline_kernels/ops/_jit.py", "bench/bench_gpu.py"]
+            "examples/data/toy_preferences.jsonl", "humanline_kernels/ops/_jit.py", "humanline_kernels/ops/tuned.json",
+            "bench/bench_gpu.py", "bench/cli.py"]
     missing = [n for n in need if n not in names]
     assert not missing, missing
     # every test helper a test module imports travels with it
@@ -55,8 +56,10 @@ def test_wheel_has_the_package_and_its_license(dists):
     names, meta = dists[1], dists[2]
     for mod in ("__init__", "reference", "losses", "fused", "fused_linear", "_params", "ops/_jit", "ops/constants",
                 "ops/linear", "ops/logprobs/kernel", "ops/logprobs/eager", "ops/token_terms/kernel",
-                "ops/finalize/kernel", "sync/_syncer", "integrations/trl/__init__", "integrations/trl/grpo"):
+                "ops/finalize/kernel", "ops/finalize/folded", "ops/tuning", "sync/_syncer", "integrations/trl/__init__",
+                "integrations/trl/grpo"):
         assert f"humanline_kernels/{mod}.py" in names, mod
+    assert "humanline_kernels/ops/tuned.json" in names  # the tuning table the launchers read (package data)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "bench/")) for n in names)
     assert "License-Expression: Apache-2.0" in meta
