@@ -25,6 +25,7 @@ import time
 import torch
 
 from . import common
+from .bench_logits import _folded
 from .cli import Parser
 
 VOCABS = (32000, 128256, 151936)
@@ -34,7 +35,6 @@ GAIN = 0.02  # a candidate must beat the default by this much to become an entry
 def family_call(family, N, V, device):
     """``(call, leaf)``: what a family's configuration changes, as the benchmarks call it (``call()`` runs it)."""
     import humanline_kernels as hk
-    from humanline_kernels.ops import constants
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, N, V, device=device, generator=g).to(torch.bfloat16).requires_grad_()
     y = torch.randint(0, V, (1, N), device=device, generator=g)
@@ -53,14 +53,9 @@ def family_call(family, N, V, device):
     elif family == "bwd":
         def call():
             torch.autograd.grad(hk.token_logprobs(x, y, validate=False), x, go)
-    elif family == "gif":
-        def call():
-            before, constants.FOLD_FINALIZE = constants.FOLD_FINALIZE, True  # the persistent grid is the fold's
-            try:
-                torch.autograd.grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True)[0],
-                                    x)
-            finally:
-                constants.FOLD_FINALIZE = before
+    elif family == "gif":  # the persistent grid is the fold's
+        call = _folded(lambda: torch.autograd.grad(
+            hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True)[0], x))
     else:
         raise ValueError(f"unknown family {family!r}")
     return call
@@ -92,7 +87,9 @@ class _Spills:
 def run(N, vocabs, families, *, quick, out_dir, write):
     from humanline_kernels.ops import tuning
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
-    card = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({common.env_info()['device']})"
+    # the table's key is the launchers' own name for the card
+    card = (tuning.device_name(torch.device("cuda", torch.cuda.current_device())) if device == "cuda"
+            else f"cpu ({common.env_info()['device']})")
     rows, table, started = [], {}, time.perf_counter()
     for family in families:
         for V in vocabs:

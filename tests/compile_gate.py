@@ -202,6 +202,12 @@ def _cases():
         w = torch.empty((V, D), dtype=dtype, device="meta", requires_grad=True)
         run_linear(kind, B, h, w, y, f, kl_rows=False, chunk_bytes=12 * V * h.element_size(), **extra)
 
+    def kto_inputs(f, adv, variant):
+        # KTO's baseline from KL rows ("kl_rows"), given ("z0"), or none
+        des = torch.empty(adv.shape, dtype=torch.bool, device="meta")
+        kl = (f[:, :3], f[:, :3], torch.empty((f.shape[0], 3), dtype=torch.bool, device="meta"))
+        return P.KTOInputs(des, *(kl if variant == "kl_rows" else (None,) * 3), adv[0] if variant == "z0" else None)
+
     def finalize(shape_name, kind, variant, labels_view=True):
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
         if labels_view:  # a labels[:, 1:] view (unaligned) as well as contiguous labels: separate specialisations
@@ -212,9 +218,7 @@ def _cases():
         elif kind == "sequence":
             FK.seq_finalize(f, aux, y, P.Sequence(), f if variant == "weights" else None)
         elif kind == "kto":
-            des = torch.empty(adv.shape, dtype=torch.bool, device="meta")
-            kl = (f[:, :3], f[:, :3], torch.empty((f.shape[0], 3), dtype=torch.bool, device="meta"))
-            inp = P.KTOInputs(des, *(kl if variant == "kl_rows" else (None,) * 3), adv[0] if variant == "z0" else None)
+            inp = kto_inputs(f, adv, variant)
             FK.kto_finalize(f, aux, y, P.KTO(clip=clip), inp)
         else:
             norm = torch.empty((), dtype=torch.float32, device="meta") if variant == "norm_tensor" else None
@@ -244,9 +248,7 @@ def _cases():
         if kind == "dpo":
             FOLD.dpo_loss(x, y, f, P.DPO(clip=c, temperature=0.7))
         elif kind == "kto":
-            des = torch.empty(adv.shape, dtype=torch.bool, device="meta")
-            kl = (f[:, :3], f[:, :3], torch.empty((f.shape[0], 3), dtype=torch.bool, device="meta"))
-            inp = P.KTOInputs(des, *(kl if variant == "kl_rows" else (None,) * 3), adv[0] if variant == "z0" else None)
+            inp = kto_inputs(f, adv, variant)
             FOLD.kto_loss(x, y, f, P.KTO(clip=c), inp)
         else:
             grad = None if variant == "none" else x if variant.endswith("inplace") else torch.empty_like(x)
@@ -391,10 +393,6 @@ def _launch_rules():
     """Launch parameters a launcher derives from a kernel's switches: a derived combination gets them by the
     launcher's own rule (kernel name -> kwargs -> kwargs), not the recorded launch's."""
     from humanline_kernels.ops.finalize import folded as FOLD
-    from humanline_kernels.ops.logprobs import kernel as LPK
-
-    def fwd(kw):
-        return dict(kw, BLOCK_V=LPK.fwd_block(kw["x_ptr"], kw["ENTROPY"], kw["TOKEN_MAP"]))
 
     def grpo_fold(kw):  # the persistent grid (GRAD 2, 3) has its own block, warps and register budget, and the
         x = kw["x_ptr"]  # tail's tiles follow the warps
@@ -404,7 +402,7 @@ def _launch_rules():
         kw = {k: v for k, v in kw.items() if k != "maxnreg"}
         return dict(kw, BLOCK_V=block, BLOCK_B=bb, BLOCK_T=bt, num_warps=warps,
                     **FOLD._register_budget(x, warps, persistent))
-    return {"_logprobs_fwd_kernel": fwd, "_grpo_loss_kernel": grpo_fold}
+    return {"_grpo_loss_kernel": grpo_fold}
 
 
 # fewer bases for the folded kernels (ops/finalize/folded.py): each compile is a row kernel and a loss tail, and their

@@ -24,8 +24,6 @@ LAUNCHES: collections.Counter = collections.Counter()
 COMPILED_DEVICES = {"cuda"}
 
 _INTERPRETED: dict = {}
-# id(compiled @jit function) -> (it, the plain Python function its interpreted twin runs instead of its own body)
-_INTERPRET_AS: dict = {}
 
 
 def jit(fn=None, *, interpret_as=None, **kwargs):
@@ -37,8 +35,7 @@ def jit(fn=None, *, interpret_as=None, **kwargs):
     denormals)."""
     def build(f):
         kernel = JITFunction(f, **kwargs)
-        if interpret_as is not None:
-            _INTERPRET_AS[id(kernel)] = (kernel, interpret_as)
+        kernel.interpret_as = interpret_as  # (read by interpreted())
         return kernel
     return build if fn is None else build(fn)
 
@@ -52,7 +49,7 @@ def interpreted(kernel: JITFunction):
     from triton.runtime.interpreter import InterpretedFunction
 
     _patch_interpreter()
-    fn = _INTERPRET_AS[id(kernel)][1] if id(kernel) in _INTERPRET_AS else kernel.fn
+    fn = getattr(kernel, "interpret_as", None) or kernel.fn
     scope = dict(fn.__globals__)  # the interpreter writes its own names into the globals it runs with
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__

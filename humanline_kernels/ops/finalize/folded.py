@@ -47,7 +47,7 @@ from .. import tuning
 from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
 from ..constants import GRPO_AGGREGATION
 from ..logprobs.kernel import _bt, device_guard, logits_rows, register_budget, rows_aligned, sweep_config
-from ..token_terms.kernel import _grad_row, _terms
+from ..token_terms.kernel import _f32, _grad_row, _terms
 from .kernel import _dpo_tail, _grpo_tail, _kto_tail, _kto_z0, _outputs, _part, _valid
 
 
@@ -459,10 +459,6 @@ def _register_budget(x: Tensor, warps: int, persistent: bool = False) -> dict:
 
 
 _OLD_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
-
-
-def _f32(t):
-    return None if t is None else t.to(torch.float32).contiguous()
 
 
 def dpo_loss(logits, labels, ref_logps, p, inp=None):

@@ -36,19 +36,17 @@ def block_config(x: torch.Tensor) -> tuple[int, int]:
                          tuning.device_name(x.device) if aligned and x.is_cuda else None, x.dtype)
 
 
-def sweep_config(x: torch.Tensor, entropy: bool = False, token_map: bool = False,
-                 family: str = "fwd") -> tuple[int, int]:
+def sweep_config(x: torch.Tensor, family: str = "fwd") -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` of the forward sweep (the online softmax of the log-prob and token-terms kernels) over
     the rows of ``x [..., V]``: on GPU 4096 elements at 4 warps, 32 a thread a trip whatever the dtype (512, 4 a
     thread, when the rows are not 16-byte aligned: each element then has a load and an address of its own; 32
     spilled with triton 3.9, 8 with 3.6). Against :func:`block_config`'s 16 a thread at 8 warps, with the folded
     temperature, the flushing ``exp2`` and the per-thread groups of :func:`_row_stats` (no reduction across threads
     in the loop): 6.7 SASS instructions an element of a bf16 row for sm_90 instead of 15.1
-    (``python -m bench.compare_compiled``). Small blocks in the interpreter. The compile gate derives the block of
-    every flag combination through this function (``entropy``, ``token_map``: the variants that once spilled, kept
-    as arguments so that a split stays possible). ``family``: the tuning table's (:mod:`..tuning`; ``"fwd"`` for
-    the log-prob kernel, ``"terms"`` for the token-terms and folded kernels), which overrides these defaults on a
-    tuned card."""
+    (``python -m bench.compare_compiled``). Small blocks in the interpreter. The same block for every flag
+    combination (the entropy and token-map variants compile spill-free at it). ``family``: the tuning table's
+    (:mod:`..tuning`; ``"fwd"`` for the log-prob kernel, ``"terms"`` for the token-terms and folded kernels), which
+    overrides these defaults on a tuned card."""
     aligned = rows_aligned(x)
     return _sweep_config(x.shape[-1], x.device.type in COMPILED_DEVICES, aligned,
                          tuning.device_name(x.device) if aligned and x.is_cuda else None, x.dtype, family)
@@ -72,11 +70,6 @@ def rows_aligned(x: torch.Tensor) -> bool:
     for st in x.stride()[:-1]:  # (a loop, not all() over a generator: this runs on every call's host path)
         bits |= st
     return bits % 16 == 0
-
-
-def fwd_block(x: torch.Tensor, entropy: bool, token_map: bool) -> int:
-    """``BLOCK_V`` of the forward kernel (:func:`sweep_config`)."""
-    return sweep_config(x, entropy, token_map)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,7 +407,7 @@ def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Opt
     rows, x_sb, x_st = logits_rows(logits, T)
     if rows == 0:
         return
-    block, warps = sweep_config(logits, ent is not None, tok is not None)
+    block, warps = sweep_config(logits)
     with device_guard(logits):
         launcher(_logprobs_fwd_kernel, logits)[(rows,)](
             # data
