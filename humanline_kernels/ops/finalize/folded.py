@@ -99,6 +99,19 @@ def _row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, plan
 
 
 # ------------------------------------------------------------------ kernels: row terms + folded finalize
+@jit
+def _ratio_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
+               q, N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
+               CLIP: tl.constexpr):
+    """One DPO / KTO token row: the clipped log-ratio terms (:func:`..token_terms.kernel._terms`, MODE 1) and the
+    fold; True if this program counted the launch's last tile."""
+    _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, ref_ptr, ref_ptr, 0, 0, val_ptr, coef_ptr, lse_ptr, aux_ptr,
+           y_ptr, q, N, N, T, V, inv_t, ignore_index, clip_lo, clip_hi, 0.0, 0.0, 0.0, N, 0, 0, BLOCK_V, 1,
+           CLIP, False, False, False)
+    return _row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, N.to(tl.int64), n_tiles,
+                     ignore_index, 1, TILE)
+
+
 @jit(do_not_specialize=["N", "B", "n_tiles"])
 def _dpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr,
                      part_ptr, loss_ptr, met_ptr, w_ptr, N, B, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi,
@@ -107,12 +120,8 @@ def _dpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, val_ptr, coe
     """DPO: the row terms of logits row ``q`` (:func:`..token_terms.kernel._terms`, MODE 1), then the fold; the last
     program runs :func:`.kernel._dpo_tail` on the partial sums (pairs ``(j, B / 2 + j)``)."""
     q = tl.program_id(0).to(tl.int64)
-    plane = N.to(tl.int64)
-    _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, ref_ptr, ref_ptr, 0, 0, val_ptr, coef_ptr, lse_ptr, aux_ptr,
-           y_ptr, q, N, N, T, V, inv_t, ignore_index, clip_lo, clip_hi, 0.0, 0.0, 0.0, N, 0, 0, BLOCK_V, 1,
-           CLIP, False, False, False)
-    if _row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, plane, n_tiles, ignore_index, 1,
-                 TILE):
+    if _ratio_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
+                  q, N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, BLOCK_V, TILE, CLIP):
         nt = n_tiles.to(tl.int64)
         P = B // 2
         _dpo_tail(part_ptr, part_ptr + nt, part_ptr + 2 * nt, 0, 0, loss_ptr, met_ptr, w_ptr, P, tl.cdiv(T, TILE),
@@ -129,7 +138,6 @@ def _kto_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, des_ptr, kl_
     rows, or ``*z0_ptr`` when ``z0_given``) and leaves it after the partial planes; then every program its row
     terms and the fold; the last runs :func:`.kernel._kto_tail`."""
     q = tl.program_id(0).to(tl.int64)
-    plane = N.to(tl.int64)
     nt = n_tiles.to(tl.int64)
     if q == 0:  # before this program's row: its tile's counter carries the store to the last program
         if z0_given != 0:
@@ -137,11 +145,8 @@ def _kto_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, des_ptr, kl_
         else:
             z0 = _kto_z0(kl_ptr, klref_ptr, klm_ptr, BK, TK, CLIP, clip_lo, clip_hi, BLOCK_B, BLOCK_T)
         tl.store(part_ptr + 3 * nt, z0)
-    _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, ref_ptr, ref_ptr, 0, 0, val_ptr, coef_ptr, lse_ptr, aux_ptr,
-           y_ptr, q, N, N, T, V, inv_t, ignore_index, clip_lo, clip_hi, 0.0, 0.0, 0.0, N, 0, 0, BLOCK_V, 1,
-           CLIP, False, False, False)
-    if _row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, plane, n_tiles, ignore_index, 1,
-                 TILE):
+    if _ratio_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
+                  q, N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, BLOCK_V, TILE, CLIP):
         z0 = tl.load(part_ptr + 3 * nt, cache_modifier=".cg")
         _kto_tail(part_ptr, part_ptr + nt, part_ptr + 2 * nt, 0, 0, des_ptr, z0, loss_ptr, met_ptr, w_ptr, B,
                   tl.cdiv(T, TILE), 0, B, ignore_index, beta, lam_d, lam_u, BLOCK_B, BLOCK_T, True)
