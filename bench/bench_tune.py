@@ -114,12 +114,12 @@ def run(N, vocabs, families, *, quick, out_dir, write):
             if times:
                 best = min(times, key=times.get)
                 base = times.get(default)
+                wins = base is None or times[best] <= (1 - GAIN) * base  # (no default timed: the best is taken)
                 for r in rows:
                     if r["family"] == family and r["V"] == V and "ms" in r:
                         r["vs_default"] = None if base is None else r["ms"] / base
-                        r["chosen"] = (r["BLOCK_V"], r["warps"]) == best and (base is None or
-                                                                            times[best] <= (1 - GAIN) * base)
-                if base is None or times[best] <= (1 - GAIN) * base:
+                        r["chosen"] = wins and (r["BLOCK_V"], r["warps"]) == best
+                if wins:
                     table.setdefault(family, {})[str(V)] = list(best)
             del call
             if device == "cuda":

@@ -205,13 +205,13 @@ class _GrpoGradInForward(torch.autograd.Function):
         _, TT, FIN, FOLD = _kernels()
         inp = p.Inputs(*inputs)
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        if _folded(tokens, labels):
-            persistent = C.GIF_PERSISTENT
-            w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not persistent else None
+        folded = _folded(tokens, labels)
+        persistent = folded and C.GIF_PERSISTENT
+        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not persistent else None
+        if folded:
             _val, _coef, _lse, aux, loss, met, w = FOLD.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
                                                                   grad_out=grad, persistent=persistent)
         else:
-            w = FIN.grpo_finalize(None, None, labels, p, inp)[2]
             val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
                                                    segs=tokens)
             loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
