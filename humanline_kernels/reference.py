@@ -51,8 +51,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     mask = labels != ignore_index
     logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    picked = logp_all.gather(-1, torch.where(mask, labels, 0).unsqueeze(-1)).squeeze(-1)
-    logps = torch.where(mask, picked, 0.0)
+    inside = mask & (labels >= 0) & (labels < logits.shape[-1])  # (validate=False: a label outside [0, V) is NaN)
+    picked = logp_all.gather(-1, torch.where(inside, labels, 0).unsqueeze(-1)).squeeze(-1)
+    logps = torch.where(mask, torch.where(inside, picked, float("nan")), 0.0)
     if not return_entropy:
         return logps
     p = logp_all.exp()

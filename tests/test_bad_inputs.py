@@ -270,15 +270,18 @@ def test_unchecked_boundaries_stay_inside_the_buffers(cu, interp, monkeypatch):
     torch.testing.assert_close(xg.detach(), x)
 
 
-def test_unchecked_labels_outside_the_vocabulary_give_nan():
-    """validate=False with a label outside [0, V): the row kernels do not read outside the row (the label is
-    masked) and the log-prob is NaN, so is the loss."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unchecked_labels_outside_the_vocabulary_give_nan(dtype):
+    """validate=False with a label outside [0, V): the row kernels (fp32) and the eager path (fp64 logits) do not read
+    outside the row (the label is masked) and the log-prob is NaN, so is the loss; hk.reference agrees. (On CUDA
+    the eager path's gather of such a label was a device-side assert that ended the context: run 5's CUDA fuzz.)"""
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(2, 3, 5, generator=g, requires_grad=True), torch.randint(0, 5, (2, 3), generator=g)
+    x = torch.randn(2, 3, 5, generator=g, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, 5, (2, 3), generator=g)
     y[0, 1], y[1, 2] = 5, -7
-    lp = hk.token_logprobs(x, y, validate=False)
-    assert torch.isnan(lp[0, 1]) and torch.isnan(lp[1, 2]) and torch.isfinite(lp[1, :2]).all()
-    loss = hk.fused.dpo(x, y, torch.zeros(2, 3), validate=False)[0]
+    for lp in (hk.token_logprobs(x, y, validate=False), hk.reference.token_logprobs(x, y, validate=False)):
+        assert torch.isnan(lp[0, 1]) and torch.isnan(lp[1, 2]) and torch.isfinite(lp[1, :2]).all()
+    loss = hk.fused.dpo(x, y, torch.zeros(2, 3, dtype=dtype), validate=False)[0]
     assert torch.isnan(loss)
     loss.backward()  # (no access outside the logits either)
 

@@ -78,7 +78,17 @@ def test_fuzz_public_api_cuda(tmp_path, capsys):
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not on this image (the CUDA_LAUNCH_BLOCKING run above passed)")
-    k = os.environ.get("HK_FUZZ_SANITIZER_EXAMPLES", "20")
-    sample = _fuzz(tmp_path, "--device", "cuda", "--examples", k, "--seed", "5252",
+    # the sample: cases of the run above that launch kernels, the validate=False ones with malformed layouts first
+    # (run 5 drew 4 fresh cases instead, all refused before any kernel: a sanitizer run that checked nothing)
+    k = int(os.environ.get("HK_FUZZ_SANITIZER_EXAMPLES", "20"))
+    cases = [json.loads(line) for line in (tmp_path / "cases.jsonl").read_text().splitlines()]
+    launching = [c for c in cases if c["entry"] != "syncer" and c["level"] != "losses"
+                 and (c["corrupt"] is None or c["corrupt"].startswith("unchecked"))]
+    launching.sort(key=lambda c: c["corrupt"] is None)
+    chosen = tmp_path / "sample.jsonl"
+    chosen.write_text("".join(json.dumps(c) + "\n" for c in launching[:k]))
+    sample = _fuzz(tmp_path, "--device", "cuda", "--cases", str(chosen),
                    prefix=(sanitizer, "--tool", "memcheck", "--error-exitcode", "99"), timeout=3600 if LONG else 540)
     _report(capsys, "fuzz under compute-sanitizer memcheck", sample)
+    assert sample["cases"] == min(k, len(launching)) > 0, sample
+    assert "compiled" in sample["launch_paths"], sample

@@ -59,8 +59,9 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
         lab = labels[b0:b1, t0:t1]
         valid = lab != ignore_index
         c_lse = torch.logsumexp(z, dim=-1)
-        zy = z.gather(-1, torch.where(valid, lab, 0).unsqueeze(-1)).squeeze(-1)
-        logp[b0:b1, t0:t1] = torch.where(valid, zy - c_lse, 0.0)
+        at, inside = _label_index(lab, valid, V)
+        zy = z.gather(-1, at.unsqueeze(-1)).squeeze(-1)
+        logp[b0:b1, t0:t1] = torch.where(valid, torch.where(inside, zy - c_lse, float("nan")), 0.0)
         lse[b0:b1, t0:t1] = c_lse
         if ent is not None:
             logq = z - c_lse.unsqueeze(-1)
@@ -73,6 +74,14 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
                 dst.copy_(src)
         return out
     return logp, lse, ent
+
+
+def _label_index(lab, valid, V):
+    """``(index, inside)``: where a label is read. A label outside ``[0, V)`` (a ``validate=False`` call) is not:
+    index 0, and its log-prob is NaN, as in the kernels (docs/design.md). On CUDA an out-of-range ``gather`` is a
+    device-side assert that ends the context (run 5's CUDA fuzz: fp64 logits, which take this path)."""
+    inside = valid & (lab >= 0) & (lab < V)
+    return torch.where(inside, lab, 0), inside
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
@@ -107,7 +116,8 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
             d = p.mul_((-g).unsqueeze(-1))
         else:
             d = p * (-g).unsqueeze(-1)
-        d.scatter_add_(-1, torch.where(valid, lab, 0).unsqueeze(-1), g.unsqueeze(-1))
+        at, inside = _label_index(lab, valid, V)
+        d.scatter_add_(-1, at.unsqueeze(-1), torch.where(inside, g, 0.0).unsqueeze(-1))
         if grad_entropy is not None:  # dH/dz = -p (log p + H); p == 0 (z == -inf) adds 0, not NaN
             gh = torch.where(valid, grad_entropy[b0:b1, t0:t1].to(dt), 0.0).unsqueeze(-1)
             h = entropy[b0:b1, t0:t1].to(dt).unsqueeze(-1)
