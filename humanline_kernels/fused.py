@@ -57,8 +57,9 @@ def _kernels():
 
 def _folded(tokens, labels):
     """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/finalize/folded.py):
-    when it is selected (``ops.constants.FOLD_FINALIZE``, off until a GPU run has checked it), for a dense batch
-    with tokens (a packed batch's token map keeps the separate finalize: its rows do not tile its sequences)."""
+    when it is selected (``ops.constants.FOLD_FINALIZE``, the default; ``HK_FOLD_FINALIZE=0`` turns it off), for a
+    dense batch with tokens (a packed batch's token map keeps the separate finalize: its rows do not tile its
+    sequences)."""
     return C.FOLD_FINALIZE and tokens is None and labels.numel() > 0
 
 

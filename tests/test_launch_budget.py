@@ -7,8 +7,8 @@ the ``ones_like`` of autograd's seed gradient (issue 53; 8 before): ``token_logp
 GRPO meet it (the row kernel with the ``[B, T]`` finalize folded in, one backward kernel), and GRPO with the
 gradient in the forward (the row kernel, the backward's ``grad_output`` scale), except for its ``"grpo"`` loss
 type, whose row weights need a launch of their own first (a ceiling at 3 of ours). These counts are the folded
-path's (``ops.constants.FOLD_FINALIZE``, off by default until a GPU run has checked it; set on here); the default
-path (a finalize launch after the row kernel) keeps its counts as ceilings
+path's (``ops.constants.FOLD_FINALIZE``, the default since run 5 checked it on an H100); the previous path
+(``HK_FOLD_FINALIZE=0``: a finalize launch after the row kernel) keeps its counts as ceilings
 (:func:`test_previous_path_launch_count`). A fused-linear loss launches at most 4 per chunk + 5. The
 fused-linear losses meet it in one chunk (9: three GEMMs, three Triton launches, three in the backward) and GRPO at
 any number of chunks (4 a chunk); DPO and KTO with several chunks do not (a finalize and a backward launch per
@@ -176,9 +176,7 @@ def _calls():
 
 @pytest.mark.parametrize("name", list(_calls()))
 def test_launch_count_within_budget_or_ceiling(name, monkeypatch, capsys):
-    from humanline_kernels.ops import constants
-    monkeypatch.setattr(constants, "FOLD_FINALIZE", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the default path: the fold)
     _quiet_launches(monkeypatch)
     fn, wrt, budget, ceiling = _calls()[name]
     n, ops, triton = count(fn, wrt)
@@ -191,8 +189,8 @@ def test_launch_count_within_budget_or_ceiling(name, monkeypatch, capsys):
         assert n <= max(budget, ceiling), f"{name}: {n} launches, more than today's {ceiling} (budget {budget})"
 
 
-# the default path's counts (a finalize launch after the row kernel; with the gradient in the forward also the
-# weights-only finalize first), ceilings while the fold is not the default
+# the previous path's counts (HK_FOLD_FINALIZE=0: a finalize launch after the row kernel; with the gradient in the
+# forward also the weights-only finalize first), ceilings for the path that stays selectable
 PREVIOUS = {"fused.grpo": 4, "fused.grpo(grad_in_forward)": 5, "fused.dpo": 4, "fused.kto": 4}
 
 

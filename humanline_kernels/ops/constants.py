@@ -34,16 +34,19 @@ def named_metrics(name, met):
 
 
 # Selectable kernel paths (issue 53), read at call time; the environment sets them at import.
-# FOLD_FINALIZE (HK_FOLD_FINALIZE=1): a logits-level DPO / KTO / GRPO forward in one launch, the finalize folded into
-# the row kernel as a deterministic last-arrival reduction (ops/finalize/folded.py). Off by default until a GPU run
-# has checked it: the interpreter runs a grid's programs one after another, so the memory ordering between programs
-# that the fold relies on is shown only on a GPU (tests/test_fold.py's GPU test). Off: the row kernel, then a
-# one-program finalize launch.
-FOLD_FINALIZE = _os.environ.get("HK_FOLD_FINALIZE", "0") == "1"
+# FOLD_FINALIZE: a logits-level DPO / KTO / GRPO forward in one launch, the finalize folded into the row kernel as a
+# deterministic last-arrival reduction (ops/finalize/folded.py). The default since run 5 (H100, bench/NOTES.md)
+# checked what the interpreter cannot, the memory ordering between programs (tests/test_fold.py's GPU test: 20 calls
+# bit-equal, counters zero, errors against float64 no larger than the previous path's), with parity 48/48 and
+# CUDA-graph capture. HK_FOLD_FINALIZE=0: the previous path, the row kernel and then a one-program finalize launch.
+FOLD_FINALIZE = _os.environ.get("HK_FOLD_FINALIZE", "1") != "0"
 # GIF_PERSISTENT: with FOLD_FINALIZE, GRPO's gradient in the forward on a persistent grid (GIF_PROGRAMS_PER_SM
 # programs an SM of GIF_WARPS warps walk the rows, so that the rows in flight stay in L2 for the gradient's second
 # sweep); False (HK_GIF_PERSISTENT=0): one program a row.
 GIF_PERSISTENT = _os.environ.get("HK_GIF_PERSISTENT", "1") != "0"
 GIF_PROGRAMS_PER_SM = int(_os.environ.get("HK_GIF_PROGRAMS_PER_SM", "1"))
+# GIF_PROGRAMS (HK_GIF_PROGRAMS): the persistent grid's size when > 0, in place of SMs x GIF_PROGRAMS_PER_SM: fewer
+# rows in flight, for the L2 to hold (run 5, H100: 132 rows of 256 KB did not stay; `bench logits --gif-programs`)
+GIF_PROGRAMS = int(_os.environ.get("HK_GIF_PROGRAMS", "0"))
 GIF_WARPS = int(_os.environ.get("HK_GIF_WARPS", "16"))
 GIF_BYTES_PER_THREAD = int(_os.environ.get("HK_GIF_BYTES_PER_THREAD", "32"))

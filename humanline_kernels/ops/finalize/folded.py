@@ -18,8 +18,8 @@ store a program made is visible to the program that counts last, which reads the
 counters live in a buffer per (device, stream) that is zero before a launch and zero after it (each counter's
 last arrival resets it), so a call launches no fill and a CUDA graph can replay it. Two launches must not share
 a counter at the same time: launches on one stream are ordered, and each stream has its own buffer. The memory
-ordering can be checked only on a GPU (the interpreter runs programs one after another), so the fold is off by
-default until a GPU run has checked it (:data:`..constants.FOLD_FINALIZE`).
+ordering can be checked only on a GPU (the interpreter runs programs one after another): run 5 (H100) did, and the
+fold is the default since (:data:`..constants.FOLD_FINALIZE`; ``HK_FOLD_FINALIZE=0`` selects the previous path).
 
 KTO's baseline ``z0`` (a walk over the KL rows) is computed by program 0 before its own row, off the critical
 path; the tile-0 and launch counters carry it to the last program.
@@ -367,7 +367,8 @@ def _grpo_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[Te
     tile, bb, bt = fold_config(logits, B, warps)
     n_tiles, part, ctr = _workspace(logits, B, T, tile, 6)
     length = length or T
-    grid = (min(rows, _sm_count(logits.device) * C.GIF_PROGRAMS_PER_SM),) if persistent else (rows,)
+    programs = C.GIF_PROGRAMS if C.GIF_PROGRAMS > 0 else _sm_count(logits.device) * C.GIF_PROGRAMS_PER_SM
+    grid = (min(rows, programs),) if persistent else (rows,)
     _launch(_grpo_loss_kernel, logits, grid,
             # data (unused pointers get ref: no variant of their own)
             x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if klref is None else klref, adv_ptr=adv,
