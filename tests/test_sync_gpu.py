@@ -46,6 +46,31 @@ def test_side_stream_overlap(use_kernel):
     torch.cuda.synchronize()
 
 
+def test_copy_engine_copies_the_same_bits(monkeypatch):
+    """The experimental copy-engine path (sync/_copy.py ``COPY_ENGINE``: same-dtype groups by cudaMemcpyAsync) on the
+    side stream under GEMMs: the reference holds the policy's bits after every sync."""
+    from humanline_kernels.sync import _copy
+    monkeypatch.setattr(_copy, "COPY_ENGINE", True)
+    pol, ref = make(0, torch.bfloat16), make(1, torch.bfloat16)
+    syncer = hk.ReferenceSyncer(pol, ref, every=1)
+    opt = torch.optim.AdamW(pol.parameters(), lr=1e-2)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(2048, 2048, device="cuda")
+    for _ in range(3):
+        assert syncer.start()
+        for _ in range(8):
+            big = big @ big
+            big = big / big.norm()
+        pol(x).float().square().mean().backward()
+        pre = [p.detach().clone() for p in pol.parameters()]
+        syncer.wait()
+        opt.step()
+        opt.zero_grad()
+        for r, p in zip(ref.parameters(), pre):
+            assert torch.equal(r, p)
+    torch.cuda.synchronize()
+
+
 def test_fsdp2_world_size_1_nccl():
     from _dist import free_port
     from torch.distributed.device_mesh import init_device_mesh

@@ -20,6 +20,11 @@ import torch
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ext = None
 _ext_tried = False
+# Experimental (issue 54, target 3; not yet measured): same-device, same-dtype CUDA groups copied tensor by tensor
+# with ``copy_`` (cudaMemcpyAsync device to device), which the copy engines can do without taking SMs from the
+# step's GEMMs (run 5: the kernel's overlapped sync cost the e2e step 2.2 %, its whole copy and more). Casting groups
+# keep the kernel. HK_SYNC_COPY_ENGINE=1 at import, or set at run time (bench e2e's sync_ce arm does).
+COPY_ENGINE = os.environ.get("HK_SYNC_COPY_ENGINE", "0") == "1"
 
 
 def load_extension(build: bool = True):
@@ -85,7 +90,10 @@ class CopyPlan:
             if self.stream_device(key) != device:
                 continue
             dd, sd, st, dt = key
-            if self._kernel_ok(dd, sd, st, dt, d, s):
+            if COPY_ENGINE and dd == sd and dd.type == "cuda" and st == dt:
+                for a, b in zip(d, s):
+                    a.copy_(b, non_blocking=True)
+            elif self._kernel_ok(dd, sd, st, dt, d, s):
                 with torch.cuda.device(dd):
                     _ext.multi_tensor_copy(d, s, torch.cuda.current_stream(dd).cuda_stream)
             elif dd != sd:  # device to pinned host memory: asynchronous on the current (side) stream of ``sd``
