@@ -138,14 +138,14 @@ def parity(N, V, D, device="cuda"):
     clip = hk.HumanlineClip()
     check("token_logprobs", lambda z: hk.token_logprobs(z, y), lambda z: hk.reference.token_logprobs(z, y), x,
           logp=True)
-    # the dense losses twice: the default path, then the finalize folded into the row kernel (issue 53; off by
-    # default until this run's GPU tests and these rows have checked it; on CPU tests/test_fold.py checks the fold)
+    # the dense losses twice: the default path, the finalize folded into the row kernel (issue 53; the default since
+    # run 5 checked it), then the previous path (HK_FOLD_FINALIZE=0: the row kernel, then a finalize launch)
     from humanline_kernels.ops import constants
     before = constants.FOLD_FINALIZE
-    for fold in (False, True) if dev == "cuda" else (False,):
+    for fold in (True, False) if dev == "cuda" else (True,):
         constants.FOLD_FINALIZE = fold
         for c in (clip, None):
-            tag = ("clip" if c else "noclip") + (" fold" if fold else "")
+            tag = ("clip" if c else "noclip") + ("" if fold else " previous")
             for lt in ("dapo", "bnpo", "grpo", "dr_grpo"):
                 kw = dict(clip=c, loss_type=lt, beta=0.04)
                 check(f"fused.grpo {lt} {tag}", lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, **kw)[0],

@@ -29,20 +29,24 @@ def _inputs(N, V, device, dtype, seed=0):
     return x, y, ref
 
 
-def _folded(call):
-    """``call`` with the folded forward selected (``ops.constants.FOLD_FINALIZE``), the default back after it."""
+def _with(call, **values):
+    """``call`` with ``ops.constants`` set to ``values`` (e.g. ``FOLD_FINALIZE=False``: the previous path), the
+    defaults back after it."""
     from humanline_kernels.ops import constants
 
     def run():
-        before, constants.FOLD_FINALIZE = constants.FOLD_FINALIZE, True
+        before = {k: getattr(constants, k) for k in values}
+        for k, v in values.items():
+            setattr(constants, k, v)
         try:
             return call()
         finally:
-            constants.FOLD_FINALIZE = before
+            for k, v in before.items():
+                setattr(constants, k, v)
     return run
 
 
-def _impls(x, y, ref, quick):
+def _impls(x, y, ref, quick, gif_programs=()):
     """name -> (callable doing forward + backward, passes over the logits it needs at best: 3 or 2)."""
     import humanline_kernels as hk
 
@@ -84,12 +88,18 @@ def _impls(x, y, ref, quick):
                                                    validate=False)[0]), 3),
         "eager fp32 log_softmax+gather": (lambda: grad(eager_lp(x), g), 3),
     }
-    # issue 53's folded forward (ops/finalize/folded.py; off by default until a GPU run has checked it): the same
-    # calls with the finalize folded into the row kernel, and GRPO's gradient in the forward on the persistent grid
+    # the previous path (HK_FOLD_FINALIZE=0: the row kernel, then a finalize launch; the default before run 5) beside
+    # the default, which folds the finalize into the row kernel (and runs GRPO's gradient in the forward on the
+    # persistent grid)
     for name in ("hk.fused.grpo", "hk.fused.grpo(grad_in_fwd)", "hk.fused.grpo(grpo,noclip)",
                  "hk.fused.grpo(grad_in_fwd,grpo)", "hk.fused.dpo", "hk.fused.kto"):
         call, passes = impls[name]
-        impls[name.replace("hk.fused.", "hk.fused[fold].")] = (_folded(call), passes)
+        impls[name.replace("hk.fused.", "hk.fused[previous].")] = (_with(call, FOLD_FINALIZE=False), passes)
+    # the persistent grid with fewer programs than SMs (--gif-programs): fewer rows in flight for L2 to hold (run 5,
+    # H100: with 132, the second sweep read its rows back from HBM, 1.47x the 2-pass floor)
+    call, passes = impls["hk.fused.grpo(grad_in_fwd)"]
+    for P in gif_programs:
+        impls[f"hk.fused.grpo(grad_in_fwd,{P} programs)"] = (_with(call, GIF_PROGRAMS=P), passes)
     if quick or not x.is_cuda:  # the peers below are GPU kernels (Liger's Triton kernels fail on CPU tensors)
         return impls
     compiled = torch.compile(eager_lp)
@@ -120,7 +130,7 @@ def _impls(x, y, ref, quick):
     return impls
 
 
-def run(N, vocabs, *, quick, only=None, out_dir="bench/out"):
+def run(N, vocabs, *, quick, only=None, out_dir="bench/out", gif_programs=()):
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
     dtype = torch.bfloat16
     bw = common.copy_bandwidth_bytes_per_ms(device=device)
@@ -130,7 +140,7 @@ def run(N, vocabs, *, quick, only=None, out_dir="bench/out"):
         nbytes = N * V * x.element_size()
         floor = {3: 3 * nbytes / bw, 2: 2 * nbytes / bw}
         results = {}
-        for name, (fn, passes) in _impls(x, y, ref, quick).items():
+        for name, (fn, passes) in _impls(x, y, ref, quick, gif_programs).items():
             if only and not any(s in name for s in only):
                 continue
             row = {"impl": name, "N": N, "V": V, "floor3_ms": floor[3], "floor2_ms": floor[2]}
@@ -143,6 +153,9 @@ def run(N, vocabs, *, quick, only=None, out_dir="bench/out"):
                 row["ratio_2pass"] = row["ms"] / floor[2]
                 row["floor_passes"] = passes
                 results[name] = row["ms"]
+                if not quick:  # progress: a run killed at its budget still shows the rows it timed
+                    print(f"[logits V={V}] {name}: {row['ms']:.4g} ms, {row['ratio_3pass']:.3f}x 3-pass floor",
+                          flush=True)
             except Exception as e:  # a peer that fails at this shape is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
             rows.append(row)
@@ -168,8 +181,12 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=None, help="tokens (default 8192; 64 with --quick)")
     p.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes")
     p.add_argument("--only", nargs="+", default=None, help="run only impls whose name contains one of these")
+    p.add_argument("--gif-programs", type=int, nargs="+", default=(), metavar="P",
+                   help="also GRPO's gradient in the forward on a persistent grid of P programs (default: one an SM)")
     a = p.parse_args(argv)
     N = a.n or (64 if a.quick else 8192)
     vocabs = a.vocab or ((1000, 3000) if a.quick else VOCABS)
-    run(N, vocabs, quick=a.quick, only=a.only, out_dir=a.out)
+    if any(P < 1 for P in a.gif_programs):
+        p.error(f"--gif-programs must be >= 1, got {' '.join(map(str, a.gif_programs))}")
+    run(N, vocabs, quick=a.quick, only=a.only, out_dir=a.out, gif_programs=a.gif_programs)
     return 0

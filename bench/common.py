@@ -26,12 +26,21 @@ def env_info() -> dict:
         info["triton"] = triton.__version__
     except Exception:
         info["triton"] = None
-    for mod in ("liger_kernel", "quack", "trl", "cut_cross_entropy"):
+    from importlib import metadata
+    for mod, dist in (("liger_kernel", "liger-kernel"), ("quack", "quack-kernels"), ("trl", "trl"),
+                      ("cut_cross_entropy", "cut-cross-entropy")):
         try:
             m = __import__(mod)
-            info[mod] = getattr(m, "__version__", "installed")
         except Exception:
             info[mod] = None
+            continue
+        try:  # (Liger has no __version__: run 5 recorded "installed" for its 0.8.5 wheel)
+            info[mod] = getattr(m, "__version__", None) or metadata.version(dist)
+        except Exception:
+            info[mod] = "installed"
+    from humanline_kernels.ops import constants
+    # the logits-level path that ran (HK_FOLD_FINALIZE selects it; run 5's host rows were timed with it set)
+    info["fold_finalize"] = constants.FOLD_FINALIZE
     return info
 
 

@@ -254,6 +254,12 @@ def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
     assert "::ok" not in text and "::twice" not in text
 
 
+def test_logits_refuses_a_persistent_grid_of_no_programs():
+    r = _bench("logits", "--gif-programs", "66", "0")
+    assert r.returncode == 2 and r.stdout == "" and "--gif-programs must be >= 1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("args, says", [(("report",), "give at least one run folder"),
                                         (("report", "bench/results/nope"), "no run folder"),
                                         (("report", "--check", "nope.md"), "no README at"),
