@@ -402,7 +402,7 @@ def main(argv=None):
                 _free(device)
                 runs.append(r["losses"][CHECK_STEP])
                 ms.append(r["ms"])
-            spread = max(abs(x - y) for x, y in itertools.combinations(runs, 2))
+            spread = max(runs) - min(runs)
             repeats[arm] = {"losses": runs, "ms": ms, "largest_difference": spread}
             print(f"  {arm}: step-{CHECK_STEP} loss {', '.join(f'{x:.8g}' for x in runs)} (largest difference "
                   f"{spread:.3g}); step time {', '.join(f'{m:.4g}' for m in ms)} ms", flush=True)

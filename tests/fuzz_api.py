@@ -844,31 +844,10 @@ def main(argv=None):
     if args.replay:
         print(run(json.loads(args.replay), args.device))
         return 0
-    if args.cases:  # one process for many given cases (compute-sanitizer's start-up is paid once)
-        counts = {}
-        with open(args.cases) as f:
-            specs_given = [json.loads(line) for line in f if line.strip()]
-        log = open(args.log, "a") if args.log else None
-        for spec in specs_given:
-            if log:
-                log.write(json.dumps(spec) + "\n")
-                log.flush()
-            key = f"{spec['level']}.{spec['loss'] or spec['entry']}: {run(spec, args.device)}"
-            counts[key] = counts.get(key, 0) + 1
-        paths = sorted({path for path, _ in _jit.LAUNCHES})
-        print("FUZZ " + json.dumps({"cases": sum(counts.values()), "counts": counts, "launch_paths": paths}),
-              flush=True)
-        return 0
-    from hypothesis import HealthCheck, given, seed, settings
-    from hypothesis import strategies as st
     counts = {}
     log = open(args.log, "a") if args.log else None
 
-    @seed(args.seed)
-    @settings(max_examples=args.examples, deadline=None, database=None, print_blob=False,
-              suppress_health_check=list(HealthCheck))
-    @given(specs(st, args.device))
-    def fuzz(spec):
+    def one(spec):
         if log:
             log.write(json.dumps(spec) + "\n")
             log.flush()
@@ -883,7 +862,22 @@ def main(argv=None):
         counts[key] = counts.get(key, 0) + 1
 
     try:
-        fuzz()
+        if args.cases:  # one process for many given cases (compute-sanitizer's start-up is paid once)
+            with open(args.cases) as f:
+                for line in f:
+                    if line.strip():
+                        one(json.loads(line))
+        else:
+            from hypothesis import HealthCheck, given, seed, settings
+            from hypothesis import strategies as st
+
+            @seed(args.seed)
+            @settings(max_examples=args.examples, deadline=None, database=None, print_blob=False,
+                      suppress_health_check=list(HealthCheck))
+            @given(specs(st, args.device))
+            def fuzz(spec):
+                one(spec)
+            fuzz()
     finally:
         paths = sorted({path for path, _ in _jit.LAUNCHES})  # compiled / interpreted / eager launches seen
         print("FUZZ " + json.dumps({"cases": sum(counts.values()), "counts": counts, "launch_paths": paths}),
