@@ -48,6 +48,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 from .cli import Parser
 
@@ -217,14 +218,11 @@ def _build(arm, a, device, dtype):
         def step(i):
             b = batches[i % N_BATCHES]
             ref = _fused_ref_logps(reference, b)
-            before, _copy.COPY_ENGINE = _copy.COPY_ENGINE, engine
-            try:
+            with mock.patch.object(_copy, "COPY_ENGINE", engine):
                 syncer.start()  # after the step's reference forward; copies during the policy's forward/backward
                 loss = _fused_loss(policy, b, ref, clip)
                 loss.backward()
                 syncer.wait()
-            finally:
-                _copy.COPY_ENGINE = before
             return finish(loss)
     elif arm == "lookahead":
         stream = (batches[i % N_BATCHES] for i in itertools.count())

@@ -13,6 +13,8 @@ Baselines: eager fp32 ``log_softmax + gather``, its ``torch.compile`` version, L
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 
 from . import common
@@ -31,19 +33,9 @@ def _inputs(N, V, device, dtype, seed=0):
 
 def _with(call, **values):
     """``call`` with ``ops.constants`` set to ``values`` (e.g. ``FOLD_FINALIZE=False``: the previous path), the
-    defaults back after it."""
+    defaults back after it (each name must exist: a misspelt switch raises instead of timing the default)."""
     from humanline_kernels.ops import constants
-
-    def run():
-        before = {k: getattr(constants, k) for k in values}
-        for k, v in values.items():
-            setattr(constants, k, v)
-        try:
-            return call()
-        finally:
-            for k, v in before.items():
-                setattr(constants, k, v)
-    return run
+    return mock.patch.multiple(constants, **values)(call)
 
 
 def _impls(x, y, ref, quick, gif_programs=()):

@@ -8,6 +8,7 @@ reran. Ceilings are today's counts plus about 10 %; ``python -m bench host --pro
 ratios to the floor (docs/kernels.md).
 """
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -75,13 +76,9 @@ def test_host_calls_within_budget(counts, name):
 def previous_counts():
     """The same counts on the previous path (``HK_FOLD_FINALIZE=0``: the row kernel, then a finalize launch)."""
     from humanline_kernels.ops import constants
-    before, constants.FOLD_FINALIZE = constants.FOLD_FINALIZE, False
-    try:
-        with host_proxy.stubbed_launches():
-            calls = host_proxy._calls()
-            return {name: _count(calls[name]) for name in FOLDED}
-    finally:
-        constants.FOLD_FINALIZE = before
+    with mock.patch.object(constants, "FOLD_FINALIZE", False), host_proxy.stubbed_launches():
+        calls = host_proxy._calls()
+        return {name: _count(calls[name]) for name in FOLDED}
 
 
 # the folded path (the default since run 5) does a launch less with no more argument handling: at most the previous
