@@ -184,8 +184,8 @@ def test_one_launch_a_direction(monkeypatch):
 
 
 def test_persistent_grid_walks_the_rows(monkeypatch):
-    """The persistent grid is ``min(rows, SMs x GIF_PROGRAMS_PER_SM)`` programs (3 "SMs" in the interpreter): 2
-    programs for 4 rows, as many as rows when they are fewer."""
+    """The persistent grid is ``min(rows, SMs x GIF_PROGRAMS_PER_SM)`` programs (3 "SMs" in the interpreter): 6
+    programs for 10 rows, as many as rows when they are fewer; ``GIF_PROGRAMS`` replaces the product."""
     seen = []
     original = FOLD._launch
 
@@ -200,6 +200,13 @@ def test_persistent_grid_walks_the_rows(monkeypatch):
     _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True))
     _run("grpo", x[:1, :2], y[:1, :1], ref[:1, :1], (torch.tensor([1.0]),), dict(grad_in_forward=True))
     assert seen == [((6,), 3), ((1,), 3)]  # 3: the persistent grid, the shared row weight
+    # HK_GIF_PROGRAMS sizes the grid in place of SMs x GIF_PROGRAMS_PER_SM (bench logits --gif-programs): one
+    # program walks all ten rows, four walk two or three each; the values and gradient still match hk.reference
+    seen.clear()
+    for programs in (1, 4):
+        monkeypatch.setattr(C, "GIF_PROGRAMS", programs)
+        _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True))
+    assert seen == [((1,), 3), ((4,), 3)]
 
 
 def test_opcheck():
