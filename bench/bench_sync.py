@@ -7,7 +7,9 @@
    ``torch._foreach_copy_`` (grouped), a per-tensor ``copy_`` loop and ``ReferenceSyncer.sync()`` end to end.
    ``ratio_to_copy_bw`` = achieved (read + write) bandwidth / a plain 1 GiB ``copy_`` measured in the same run.
 2. ``overlap``: a GEMM workload (``--gemms`` bf16 8192^3 matmuls, about a 1.2 B-model step) alone, with an
-   overlapped sync (fp32 policy -> bf16 reference) started before and waited after it, and with a blocking sync.
+   overlapped sync (fp32 policy -> bf16 reference) started before and waited after it, and with a blocking sync;
+   then a bf16 policy (same-dtype groups) overlapped, copied by our kernel and by the copy engines
+   (``sync._copy.COPY_ENGINE``: ``cudaMemcpyAsync`` takes no SMs from the GEMMs).
 3. ``fsdp2``: a training step of a small FSDP2 model (world size 1) with and without the overlapped sync, and
    with the paper's way (``unwrap_model(policy).state_dict()`` + ``reference.load_state_dict``, here the full
    state dict through ``torch.distributed.checkpoint.state_dict``); ``ratio`` = state_dict way / our sync.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from unittest import mock
 
 import torch
 from torch import nn
@@ -112,6 +115,15 @@ def bench_overlap(device, scale, gemms):
     rows = [{"impl": "GEMMs alone", "ms": base, "added_pct": 0.0}]
     for name, s in [("GEMMs + overlapped sync", over), ("GEMMs + blocking sync", block)]:
         ms = time_reps(with_sync(s), reps=30)
+        rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base})
+    from humanline_kernels.sync import _copy
+    del over, block
+    pol = Flat(shapes, torch.bfloat16, device)
+    for engine in (False, True):
+        s = hk.ReferenceSyncer(pol, ref, overlap=True)
+        with mock.patch.object(_copy, "COPY_ENGINE", engine):
+            ms = time_reps(with_sync(s), reps=30)
+        name = f"GEMMs + overlapped bf16 sync ({'copy engines' if engine else 'kernel'})"
         rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base})
     return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters())}
 

@@ -155,6 +155,46 @@ def test_dpo_off_matches_trl_cuda(tiny_path, fused, compiled_kernels):
     _assert_same(_loss_and_grads(ours, inputs), _loss_and_grads(stock, inputs), tol=1e-4)
 
 
+def _grpo_generating(tiny_path, trainer_cls, config_cls, device_kw, steps=4, **cfg):
+    """(trainer, completions scored at each generation, (loss, reward) logged at each optimizer step) of a short
+    GRPO run that generates every 2 optimizer steps (``steps_per_generation=2``: one generation feeds two)."""
+    scored = []
+
+    def reward(completions, **kw):
+        scored.append(len(completions))
+        return digit_reward(completions)
+    kw = dict(COMMON, **GRPO_KW, **device_kw, output_dir=tiny_path + "/g-gen", max_steps=steps, learning_rate=5e-2,
+              beta=0.05, steps_per_generation=2)
+    tr = trainer_cls(tiny_path, reward_funcs=reward, train_dataset=grpo_data(), args=config_cls(**kw, **cfg),
+                     processing_class=tiny.tiny_tokenizer())
+    tr.train()
+    logs = [(h["loss"], h.get("reward")) for h in tr.state.log_history if "loss" in h]  # reward: at generation
+    assert len(logs) == steps, tr.state.log_history
+    return tr, scored, logs
+
+
+GPU_BF16 = dict(use_cpu=False, bf16=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", ["logits", "linear"])
+def test_grpo_trains_on_cuda_generating_every_2_steps(tiny_path, fused, compiled_kernels):
+    """HumanlineGRPOTrainer as users run it on one GPU (bf16 autocast, TRL's own generation every 2 optimizer
+    steps): humanline off, the steps fed by the first generation log TRL's GRPOTrainer's losses and rewards (the
+    same seed samples the same completions); humanline on, the reference is synced every step, two generations
+    of 8 completions are scored and every loss is finite."""
+    _, stock_scored, stock = _grpo_generating(tiny_path, GRPOTrainer, GRPOConfig, GPU_BF16, steps=2)
+    tr, scored, ours = _grpo_generating(tiny_path, HumanlineGRPOTrainer, HumanlineGRPOConfig, GPU_BF16, steps=2,
+                                        humanline=False, fused=fused)
+    assert next(tr.model.parameters()).is_cuda and scored == stock_scored == [8]
+    assert ours[0][1] is not None and ours[0][1] == pytest.approx(stock[0][1])  # the same completions scored
+    assert [loss for loss, _ in ours] == pytest.approx([loss for loss, _ in stock], rel=2e-2, abs=2e-3)
+    tr, scored, logs = _grpo_generating(tiny_path, HumanlineGRPOTrainer, HumanlineGRPOConfig, GPU_BF16,
+                                        fused=fused, sync_every=1)
+    assert scored == [8, 8] and tr.hk_sync.num_syncs == 4
+    assert all(torch.isfinite(torch.tensor(loss)) for loss, _ in logs)
+
+
 def test_model_id_or_path_with_peft_installed(tiny_path):
     """A model given by path (as most users do) with peft installed: accelerate's is_peft_model must not be asked
     about a str (it walked it as a module: AttributeError '_modules'). A PeftModel with humanline on gets a synced
