@@ -132,9 +132,10 @@ def _masks(d, run):
             + _plot(run, "linear_masks", "supervised tokens: ratio to the dense GEMM floor"))
 
 
-def _sync(found, run):
+def _sync(found, _run):
+    """``found``: file name -> (JSON, its run) or None."""
     out = []
-    copy = found.get("sync_copy.json")
+    copy, run = found.get("sync_copy.json") or (None, None)
     if copy:
         m = copy["meta"]
         pairs = list(dict.fromkeys((r["src"], r["dst"]) for r in copy["rows"]))
@@ -151,11 +152,12 @@ def _sync(found, run):
                         "compute stand-in)"),
                        ("sync_fsdp2.json", "an FSDP2 training step ({layers} layers, hidden {hidden}, {tokens} "
                         "tokens)")):
-        d = found.get(name)
+        d, where = found.get(name) or (None, None)
         if d:
             body = [[f"`{r['impl']}`", _ms(r["ms"]), "" if r.get("added_pct") is None else f"{r['added_pct']:+.1f} %"]
                     for r in d["rows"]]
-            out.append(f"Sync overlapped with compute: {what.format(**d['meta'])}.\n\n"
+            other = "" if where == run else f" ({_where(d['env'], where)})"
+            out.append(f"Sync overlapped with compute{other}: {what.format(**d['meta'])}.\n\n"
                        + _table(["what", "time", "added to the step"], body))
     return "\n\n".join(out)
 
@@ -218,10 +220,7 @@ def _load(run, pattern):
 
 
 def _find(run, title, files):
-    """The section's JSON in ``run`` (the sync section: each of its files found), or None."""
-    if title == "reference sync":
-        found = {f: _load(run, f) for f in files}
-        return found if any(found.values()) else None
+    """The section's JSON in ``run``, or None."""
     for pattern in files:
         d = _load(run, pattern)
         if d is not None:
@@ -233,6 +232,11 @@ def render(runs):
     """The Benchmarks section for ``runs`` (paths relative to the project's root, newest first)."""
     parts = []
     for title, files, fmt in SECTIONS:
+        if title == "reference sync":  # each of its files from the newest run that has it (a run may skip some)
+            found = {f: next(((d, r) for r in runs if (d := _load(r, f)) is not None), None) for f in files}
+            if any(found.values()):
+                parts.append(fmt(found, None))
+                continue
         for run in runs:
             d = _find(run, title, files)
             if d is not None:
