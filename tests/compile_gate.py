@@ -60,6 +60,9 @@ GIF_VARIANTS = ("none", "rows new", "rows inplace", "persistent rows new", "pers
 PTXAS_LOGS = {}  # id(compiled kernel) -> the ptxas -v log of Triton's own build of it (the kernels stay alive)
 
 
+_OTHER_SHARD = [False]
+
+
 def _install(arch, compiled, launches=None):
     """Compile instead of launching; ``launches`` (a list) records every launch's ``(kernel, kwargs, grid)``."""
     from triton.runtime import driver
@@ -70,6 +73,8 @@ def _install(arch, compiled, launches=None):
     def run(self, *args, grid, warmup, **kwargs):  # compile as at run time, never launch
         if launches is not None:
             launches.append((self, kwargs, grid))
+        if _OTHER_SHARD[0]:  # another shard compiles this case: only its launches are recorded (for the derived)
+            return None
         with contextlib.redirect_stdout(io.StringIO()) as log:  # the ptxas log of a kernel built now
             kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
         if _REGS.search(log.getvalue()):
@@ -523,20 +528,26 @@ def main(argv=None):
     p.add_argument("--arch", type=int, required=True)
     p.add_argument("--only", default=None, help="substring of the case names to run")
     p.add_argument("--no-derived", action="store_true", help="only the listed cases, not every switch combination")
+    p.add_argument("--shard", default="0/1", help="I/K: compile the I-th of K shares of the cases and derived "
+                   "variants (every shard records every case's launches, so all derive the same variants)")
     a = p.parse_args(argv)
+    shard, shards = (int(x) for x in a.shard.split("/"))
     compiled, launches = [], []
     _install(a.arch, compiled, launches)
     failures, results, recorded = [], [], []  # results: (case, aligned, kernel name, compiled kernel)
-    for name, aligned, call in _cases():
+    for j, (name, aligned, call) in enumerate(_cases()):
         if a.only and a.only not in name:
             continue
         launches.clear()
-        results += [(name, aligned, kname, k) for kname, k in _compile(name, call, compiled, failures)]
+        _OTHER_SHARD[0] = j % shards != shard
+        out = _compile(name, call, compiled, [] if _OTHER_SHARD[0] else failures)
+        results += [(name, aligned, kname, k) for kname, k in out]
         recorded += [(k, kw, g, aligned) for k, kw, g in launches]
+    _OTHER_SHARD[0] = False
     # then every combination of each kernel's switches on its recorded launches: a combination no listed case
     # reaches still compiles on the GPU the day a user reaches it
     derived = [] if a.no_derived else derived_variants(recorded)
-    for name, kernel, kwargs, grid, aligned in derived:
+    for name, kernel, kwargs, grid, aligned in derived[shard::shards]:
         out = _compile(name, lambda k=kernel, kw=kwargs, g=grid: k[g](**kw), compiled, failures)
         results += [(name, aligned, kname, k) for kname, k in out]
     variants, seen = [], set()

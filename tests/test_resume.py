@@ -174,8 +174,26 @@ def test_grpo_inside_a_generation_batch(tiny_path, tmp_path):
             tr.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
 
 
-def test_lora_reference_adapter_resumes(tiny_path, tmp_path):
+def _load_subfolder_adapters_only(self, resume_from_checkpoint, model=None):
+    """What transformers 5.17-5.22's ``Trainer._load_from_checkpoint`` does for a PEFT model whose checkpoint has
+    adapters in subfolders (humanline's "ref"): it loads those and leaves the trained adapter at the root unread."""
+    model = self.model if model is None else model
+    active = model.active_adapters[0]
+    for sub in sorted(os.listdir(resume_from_checkpoint)):
+        if os.path.isfile(os.path.join(resume_from_checkpoint, sub, "adapter_model.safetensors")):
+            model.load_adapter(os.path.join(resume_from_checkpoint, sub), sub, is_trainable=sub == active)
+    model.set_adapter(active)
+
+
+@pytest.mark.parametrize("transformers_load", ["installed", "5.17-5.22"])
+def test_lora_reference_adapter_resumes(tiny_path, tmp_path, monkeypatch, transformers_load):
+    """A LoRA policy with its synced "ref" adapter resumes exactly; also where transformers itself does not restore
+    the policy's adapter (5.17-5.22, the GPU image's 5.17 in run 6): the trainer loads it."""
     peft = pytest.importorskip("peft")
+    if transformers_load != "installed":
+        from humanline_kernels.integrations.trl import _common
+        monkeypatch.setattr(Trainer, "_load_from_checkpoint", _load_subfolder_adapters_only)
+        monkeypatch.setattr(_common, "_ROOT_ADAPTER_LOADED", False)
     cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     full, resumed = _run_three(
         lambda out, cbs: _trainer(tiny_path, "dpo", out, 6, 3, cbs, peft_config=copy.deepcopy(cfg), sync_every=2),

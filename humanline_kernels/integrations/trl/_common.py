@@ -7,6 +7,7 @@ import os
 from typing import NamedTuple, Optional
 
 import torch
+import transformers
 from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.models.utils import disable_gradient_checkpointing
@@ -80,6 +81,24 @@ def _no_trl_reference(trainer, trl_module):
 
 
 
+# transformers 5.17-5.22 (Trainer._load_from_checkpoint): when a checkpoint holds adapters in subfolders (a PEFT
+# policy with humanline's "ref" adapter always does), only those are loaded, not the trained one at its root, so the
+# resumed policy is the initial adapter (run 6, the GPU image's 5.17: our fingerprint check refused the resume).
+# 5.23 loads the root adapter too; before it, we do.
+_ROOT_ADAPTER_LOADED = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 23)
+_ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _load_root_adapter(model, folder):
+    if _ROOT_ADAPTER_LOADED or not (hasattr(model, "active_adapters") and hasattr(model, "load_adapter")):
+        return
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in _ADAPTER_FILES):
+        return
+    active = model.active_adapters[0]
+    model.load_adapter(folder, active, is_trainable=True)
+    model.set_adapter(active)
+
+
 class StepStats(NamedTuple):
     """What the DPO / KTO logs read of a micro-batch's loss, formed once with it: per row the clamped log-ratio sums
     ``s`` and the policy's sums (as TRL logs them), the masked tokens strictly inside the band and all of them, and
@@ -146,6 +165,10 @@ class HumanlineMixin(LookaheadTrainerMixin):
         if self.hk_sync is not None:  # restored by the callback in on_train_begin, which comes next
             self.hk_sync.resume_from = resume_from_checkpoint
         return out
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        _load_root_adapter(self.model if model is None else model, resume_from_checkpoint)
 
     def _save_checkpoint(self, model, trial):
         # the humanline state first, then transformers' files (its trainer_state.json last, then the rotation of old

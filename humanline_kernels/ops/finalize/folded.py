@@ -445,7 +445,14 @@ def _arch(device: torch.device) -> int:
         return _cuda_arch(device)
     from triton.runtime import driver
     active = driver._active  # set by the stand-ins; not `.active`, which would make the default driver (none on CPU)
-    return 90 if active is None else active.get_current_target().arch
+    if active is None:
+        return 90
+    if _DRIVER_ARCH[0] is not active:  # a real CUDA driver's target is ~18 Python calls (run 6's host count)
+        _DRIVER_ARCH[:] = [active, active.get_current_target().arch]
+    return _DRIVER_ARCH[1]
+
+
+_DRIVER_ARCH = [None, 90]  # (the active driver last asked, its target's arch)
 
 
 @functools.lru_cache(maxsize=None)
