@@ -219,7 +219,7 @@ def _load(run, pattern):
     return None
 
 
-def _find(run, title, files):
+def _find(run, files):
     """The section's JSON in ``run``, or None."""
     for pattern in files:
         d = _load(run, pattern)
@@ -238,7 +238,7 @@ def render(runs):
                 parts.append(fmt(found, None))
                 continue
         for run in runs:
-            d = _find(run, title, files)
+            d = _find(run, files)
             if d is not None:
                 parts.append(fmt(d, run))
                 break
