@@ -447,7 +447,7 @@ def derived_variants(launches, max_bases=6):
             key = (aligned, *sorted((k, str(v.dtype) if isinstance(v, torch.Tensor) else
                                 _int_class(v) if isinstance(v, int) and not isinstance(v, bool) else None)
                                for k, v in kwargs.items() if k not in switches and k not in _LAUNCH_OPTIONS))
-            if key not in keys and len(bases) < _MAX_BASES.get(kernel.fn.__name__, max_bases):
+            if key not in keys and len(bases) < min(max_bases, _MAX_BASES.get(kernel.fn.__name__, max_bases)):
                 keys.add(key)
                 bases.append((kwargs, grid, aligned))
         names = sorted(switches)
@@ -528,6 +528,8 @@ def main(argv=None):
     p.add_argument("--arch", type=int, required=True)
     p.add_argument("--only", default=None, help="substring of the case names to run")
     p.add_argument("--no-derived", action="store_true", help="only the listed cases, not every switch combination")
+    p.add_argument("--bases", type=int, default=6, help="the derived combinations on up to this many recorded "
+                   "launches a kernel (distinct pointer dtypes and integer classes)")
     p.add_argument("--shard", default="0/1", help="I/K: compile the I-th of K shares of the cases and derived "
                    "variants (every shard records every case's launches, so all derive the same variants)")
     a = p.parse_args(argv)
@@ -546,7 +548,7 @@ def main(argv=None):
     _OTHER_SHARD[0] = False
     # then every combination of each kernel's switches on its recorded launches: a combination no listed case
     # reaches still compiles on the GPU the day a user reaches it
-    derived = [] if a.no_derived else derived_variants(recorded)
+    derived = [] if a.no_derived else derived_variants(recorded, a.bases)
     for name, kernel, kwargs, grid, aligned in derived[shard::shards]:
         out = _compile(name, lambda k=kernel, kw=kwargs, g=grid: k[g](**kw), compiled, failures)
         results += [(name, aligned, kname, k) for kname, k in out]
