@@ -415,7 +415,7 @@ def _launch_rules():
 _MAX_BASES = {"_grpo_loss_kernel": 3, "_dpo_loss_kernel": 3, "_kto_loss_kernel": 3}
 
 
-def derived_variants(launches, max_bases=6):
+def derived_variants(launches, max_bases):
     """Every combination of each kernel's switches, derived from the kernel and its recorded launches, not from a
     list: the constexpr parameters that take booleans or small values (not the ``BLOCK_*`` sizes) and the runtime
     integers the kernel specialises that only ever carry small values (enums and flags: Triton compiles a value of

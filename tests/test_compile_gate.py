@@ -2,7 +2,7 @@
 
 The Triton interpreter accepts code that the GPU compiler rejects (the first H100 run failed on an enum bound to a
 local name in ``_clamp``), so this compiles every launch variant ahead of time with the real compiler, driven
-through the real launch wrappers (``tests/compile_gate.py``, one subprocess per architecture, in parallel), and
+through the real launch wrappers (``tests/compile_gate.py``, subprocesses in parallel: an architecture's shards), and
 checks the compiled resources: no spills or local memory, 16-byte global loads in aligned variants.
 """
 import json
