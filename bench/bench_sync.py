@@ -9,7 +9,8 @@
 2. ``overlap``: a GEMM workload (``--gemms`` bf16 8192^3 matmuls, about a 1.2 B-model step) alone, with an
    overlapped sync (fp32 policy -> bf16 reference) started before and waited after it, and with a blocking sync;
    then a bf16 policy (same-dtype groups) overlapped, copied by our kernel and by the copy engines
-   (``sync._copy.COPY_ENGINE``: ``cudaMemcpyAsync`` takes no SMs from the GEMMs).
+   (``sync._copy.COPY_ENGINE``: the extension's one ``cudaMemcpyBatchAsync`` hinted to overlap with compute, and
+   ``copy_`` per tensor; a copy engine takes no SMs from the GEMMs).
 3. ``fsdp2``: a training step of a small FSDP2 model (world size 1) with and without the overlapped sync, and
    with the paper's way (``unwrap_model(policy).state_dict()`` + ``reference.load_state_dict``, here the full
    state dict through ``torch.distributed.checkpoint.state_dict``); ``ratio`` = state_dict way / our sync.
@@ -112,12 +113,15 @@ def bench_overlap(device, scale, gemms):
     pol16 = Flat(shapes, torch.bfloat16, device)  # same-dtype groups: the ones the copy engines can take
     base = time_reps(work, reps=30)
     rows = [{"impl": "GEMMs alone", "ms": base, "added_pct": 0.0}]
-    for name, policy, overlap, engine in [("GEMMs + overlapped sync", pol, True, False),
-                                          ("GEMMs + blocking sync", pol, False, False),
-                                          ("GEMMs + overlapped bf16 sync (kernel)", pol16, True, False),
-                                          ("GEMMs + overlapped bf16 sync (copy engines)", pol16, True, True)]:
+    # use_kernel=False on the copy-engine path: copy_ per tensor in place of the extension's one batched copy
+    for name, policy, overlap, engine, kernel in [
+            ("GEMMs + overlapped sync", pol, True, False, None),
+            ("GEMMs + blocking sync", pol, False, False, None),
+            ("GEMMs + overlapped bf16 sync (kernel)", pol16, True, False, None),
+            ("GEMMs + overlapped bf16 sync (copy engines, batched)", pol16, True, True, None),
+            ("GEMMs + overlapped bf16 sync (copy engines, copy_ per tensor)", pol16, True, True, False)]:
         with mock.patch.object(_copy, "COPY_ENGINE", engine):
-            ms = time_reps(with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap)), reps=30)
+            ms = time_reps(with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap, use_kernel=kernel)), reps=30)
         rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base})
     return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters())}
 

@@ -20,4 +20,9 @@ const char* current_device(int* device);
 const char* copy(DType src_dtype, DType dst_dtype, void* const* dst, const void* const* src, const int64_t* numel,
                  int64_t n, void* stream);
 
+// dst[i] <- src[i] (bytes[i] bytes, device to device) for i < n, on `stream`, by the copy engines where the runtime
+// takes the hint: one cudaMemcpyBatchAsync with cudaMemcpyFlagPreferOverlapWithCompute (CUDA >= 13), else (older
+// runtimes, the legacy default stream) cudaMemcpyAsync per copy; nullptr, or the CUDA error's text.
+const char* copy_engine(void* const* dst, const void* const* src, const int64_t* bytes, int64_t n, void* stream);
+
 }  // namespace hk_sync

@@ -46,13 +46,21 @@ def test_side_stream_overlap(use_kernel):
     torch.cuda.synchronize()
 
 
-def test_copy_engine_copies_the_same_bits(monkeypatch):
-    """The experimental copy-engine path (sync/_copy.py ``COPY_ENGINE``: same-dtype groups by cudaMemcpyAsync) on the
-    side stream under GEMMs: the reference holds the policy's bits after every sync."""
+@pytest.mark.parametrize("use_kernel", [None, False])
+def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel):
+    """The experimental copy-engine path (sync/_copy.py ``COPY_ENGINE``: a same-dtype group as one batched
+    cudaMemcpyAsync of the extension, or ``copy_`` per tensor without it) on the side stream under GEMMs: the
+    reference holds the policy's bits after every sync, and the path asked for is the one that ran."""
     from humanline_kernels.sync import _copy
     monkeypatch.setattr(_copy, "COPY_ENGINE", True)
+    ext, calls = _copy.load_extension(), []
+    if use_kernel is None and ext is None:
+        pytest.skip("extension neither built nor JIT-buildable here")
+    if ext is not None:
+        real = ext.multi_tensor_copy_engine
+        monkeypatch.setattr(ext, "multi_tensor_copy_engine", lambda *a: (calls.append(a[2]), real(*a))[1])
     pol, ref = make(0, torch.bfloat16), make(1, torch.bfloat16)
-    syncer = hk.ReferenceSyncer(pol, ref, every=1)
+    syncer = hk.ReferenceSyncer(pol, ref, every=1, use_kernel=use_kernel)
     opt = torch.optim.AdamW(pol.parameters(), lr=1e-2)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     big = torch.randn(2048, 2048, device="cuda")
@@ -69,6 +77,9 @@ def test_copy_engine_copies_the_same_bits(monkeypatch):
         for r, p in zip(ref.parameters(), pre):
             assert torch.equal(r, p)
     torch.cuda.synchronize()
+    # one batched copy a sync (one bf16 group), issued on a side stream (a batch refuses the legacy default stream)
+    assert len(calls) == (3 if use_kernel is None else 0)
+    assert all(h != torch.cuda.default_stream().cuda_stream for h in calls)
 
 
 def test_fsdp2_world_size_1_nccl():

@@ -150,5 +150,27 @@ def test_kernel_bit_exact_on_cuda(dt_src, dt_dst):
         assert torch.equal(d, s.to(d.dtype))  # torch's copy_ rounds to nearest even too
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stream", ["side", "default"])
+def test_copy_engine_bit_exact_on_cuda(dtype, stream):
+    """multi_tensor_copy_engine: one cudaMemcpyBatchAsync on a side stream; on the legacy default stream, which a
+    batch refuses, cudaMemcpyAsync per copy. Bit-exact either way; a cast is refused."""
+    ext = load_extension()
+    if ext is None:
+        pytest.skip("extension neither built nor JIT-buildable here")
+    dsts, srcs = _make(dtype, dtype, "cuda", n=400)
+    s = torch.cuda.Stream() if stream == "side" else torch.cuda.default_stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ext.multi_tensor_copy_engine(dsts, srcs, s.cuda_stream)
+    torch.cuda.current_stream().wait_stream(s)
+    for d, x in zip(dsts, srcs):
+        assert torch.equal(d, x)
+    other = next(t for t in DTYPES if t != dtype)
+    with pytest.raises(RuntimeError, match="copies without a cast only"):
+        ext.multi_tensor_copy_engine([dsts[0].to(other)], [srcs[0]], s.cuda_stream)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -20,10 +20,11 @@ import torch
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ext = None
 _ext_tried = False
-# Experimental (issue 54, target 3; not yet measured): same-device, same-dtype CUDA groups copied tensor by tensor
-# with ``copy_`` (cudaMemcpyAsync device to device), which the copy engines can do without taking SMs from the
-# step's GEMMs (run 5: the kernel's overlapped sync cost the e2e step 2.2 %, its whole copy and more). Casting groups
-# keep the kernel. HK_SYNC_COPY_ENGINE=1 at import, or set at run time (bench e2e's sync_ce arm does).
+# Experimental (issue 54, target 3): same-device, same-dtype CUDA groups copied by the copy engines, which take no SMs
+# from the step's GEMMs (run 6: the kernel's overlapped sync added its whole copy time to a GEMM chain). With the
+# extension: one cudaMemcpyBatchAsync a group, hinted to overlap with compute (run 7's probe on an H200: +0.18 %
+# on the GEMM chain against +0.71 % for per-tensor copy_); without it, ``copy_`` per tensor (cudaMemcpyAsync).
+# Casting groups keep the kernel. HK_SYNC_COPY_ENGINE=1 at import, or set at run time (bench e2e's sync_ce arm does).
 COPY_ENGINE = os.environ.get("HK_SYNC_COPY_ENGINE", "0") == "1"
 
 
@@ -91,8 +92,14 @@ class CopyPlan:
                 continue
             dd, sd, st, dt = key
             if COPY_ENGINE and dd == sd and dd.type == "cuda" and st == dt:
-                for a, b in zip(d, s):
-                    a.copy_(b, non_blocking=True)
+                ext = load_extension() if self.use_kernel is not False else None
+                if getattr(ext, "multi_tensor_copy_engine", None) and all(
+                        t.is_contiguous() for t in d + s):  # an extension built before it has no batched copy
+                    with torch.cuda.device(dd):
+                        ext.multi_tensor_copy_engine(d, s, torch.cuda.current_stream(dd).cuda_stream)
+                else:
+                    for a, b in zip(d, s):
+                        a.copy_(b, non_blocking=True)
             elif self._kernel_ok(dd, sd, st, dt, d, s):
                 with torch.cuda.device(dd):
                     _ext.multi_tensor_copy(d, s, torch.cuda.current_stream(dd).cuda_stream)
