@@ -418,7 +418,7 @@ def main(argv=None):
     labels = {"offline": "offline hk.fused_linear.dpo, precomputed reference log-probs",
               "offline_ref": "offline hk.fused_linear.dpo, frozen reference forward every step",
               "offline_eager": "offline logits + eager log-softmax", "sync": "humanline hk sync",
-              "sync_ce": "humanline hk sync, copied by cudaMemcpyAsync (copy engines; experimental)",
+              "sync_ce": "humanline hk sync, copied by the copy engines (batched cudaMemcpyBatchAsync; experimental)",
               "lookahead": "humanline hk lookahead", "authors": "humanline authors' way",
               "trl_dpo": "trl.DPOTrainer, frozen reference model (TRL's defaults: gradient checkpointing)",
               "trl_sync": "HumanlineDPOTrainer sync", "trl_lookahead": "HumanlineDPOTrainer lookahead"}
