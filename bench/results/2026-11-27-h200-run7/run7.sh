@@ -13,7 +13,7 @@ nvidia-smi > $R/nvsmi.txt 2>&1
 python3 -c "import torch, triton, transformers, trl; print(torch.__version__, triton.__version__, transformers.__version__, trl.__version__, torch.cuda.get_device_name())" | tee $R/versions.txt
 run() { local name=$1 t=$2; shift 2; local t0=$SECONDS; timeout -k 5 $t "$@" > $R/$name.log 2>&1
   echo "=== $name rc=$? in $((SECONDS - t0)) s"; tail -n ${TAILN:-20} $R/$name.log; }
-TAILN=40 run ce_probe 70 python3 bench/results/2026-11-27-run7/ce_probe.py $R
+TAILN=40 run ce_probe 70 python3 bench/results/2026-11-27-h200-run7/ce_probe.py $R
 TAILN=8 run tune 100 python3 -m bench tune --write --out $R/tune
 cp humanline_kernels/ops/tuned.json $R/tuned_in_package.json
 TAILN=60 run logits 120 python3 -m bench logits --vocab 32000 128256 151936 --out $R/logits

@@ -12,7 +12,7 @@ trap pack EXIT
 run() { local name=$1 t=$2; shift 2; local t0=$SECONDS; timeout -k 5 $t "$@" > $R/$name.log 2>&1
   echo "=== $name rc=$? in $((SECONDS - t0)) s"; tail -n ${TAILN:-20} $R/$name.log; }
 run ext 150 python3 -c "from humanline_kernels.sync._copy import load_extension as l; e = l(); print('extension:', e, hasattr(e, 'multi_tensor_copy_engine'))"
-TAILN=12 run ce_probe 60 python3 bench/results/2026-11-27-run7/ce_probe.py $R
+TAILN=12 run ce_probe 60 python3 bench/results/2026-11-27-h200-run7/ce_probe.py $R
 TAILN=8 run gputests 90 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_sync_kernel.py tests/test_sync_gpu.py
 TAILN=12 run sync 80 python3 -m bench sync --skip copy fsdp2 --out $R/sync
 TAILN=45 run e2e $((310 - SECONDS)) python3 -m bench e2e --arms offline offline_ref sync sync_ce lookahead --out $R/e2e
