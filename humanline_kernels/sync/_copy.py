@@ -22,8 +22,9 @@ _ext = None
 _ext_tried = False
 # Experimental (issue 54, target 3): same-device, same-dtype CUDA groups copied by the copy engines, which take no SMs
 # from the step's GEMMs (run 6: the kernel's overlapped sync added its whole copy time to a GEMM chain). With the
-# extension: one cudaMemcpyBatchAsync a group, hinted to overlap with compute (run 7's probe on an H200: +0.18 %
-# on the GEMM chain against +0.71 % for per-tensor copy_); without it, ``copy_`` per tensor (cudaMemcpyAsync).
+# extension: one cudaMemcpyBatchAsync a group, hinted to overlap with compute; without it, ``copy_`` per tensor
+# (cudaMemcpyAsync). Run 7, H200, bench sync on the GEMM chain: kernel +1.62 %, batched +0.77 %, per tensor +0.72 %
+# (the two copy-engine paths level within the ~0.5-point noise between calls; one lone +0.18 % did not repeat).
 # Casting groups keep the kernel. HK_SYNC_COPY_ENGINE=1 at import, or set at run time (bench e2e's sync_ce arm does).
 COPY_ENGINE = os.environ.get("HK_SYNC_COPY_ENGINE", "0") == "1"
 
