@@ -48,8 +48,8 @@ def test_side_stream_overlap(use_kernel):
 
 @pytest.mark.parametrize("use_kernel", [None, False])
 def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel):
-    """The experimental copy-engine path (sync/_copy.py ``COPY_ENGINE``: a same-dtype group as one batched
-    cudaMemcpyAsync of the extension, or ``copy_`` per tensor without it) on the side stream under GEMMs: the
+    """The experimental copy-engine path (sync/_copy.py ``COPY_ENGINE``: a same-dtype group as the extension's one
+    cudaMemcpyBatchAsync, or ``copy_`` per tensor without it) on the side stream under GEMMs: the
     reference holds the policy's bits after every sync, and the path asked for is the one that ran."""
     from humanline_kernels.sync import _copy
     monkeypatch.setattr(_copy, "COPY_ENGINE", True)
