@@ -50,3 +50,7 @@ GIF_PROGRAMS_PER_SM = int(_os.environ.get("HK_GIF_PROGRAMS_PER_SM", "1"))
 GIF_PROGRAMS = int(_os.environ.get("HK_GIF_PROGRAMS", "0"))
 GIF_WARPS = int(_os.environ.get("HK_GIF_WARPS", "16"))
 GIF_BYTES_PER_THREAD = int(_os.environ.get("HK_GIF_BYTES_PER_THREAD", "32"))
+# GIF_STAGES (HK_GIF_STAGES): the persistent grid's softmax sweep: 1 loads with evict_last (the default); k >= 2
+# pipelines it through Triton's cp.async stages instead (k - 1 blocks in flight ahead), for the bytes in flight an SM
+# that run 8's ncu found short (66 % of the DRAM bandwidth, 16 KiB in flight an SM); measured before it is a default
+GIF_STAGES = int(_os.environ.get("HK_GIF_STAGES", "1"))

@@ -1,0 +1,24 @@
+#!/bin/bash
+# Run 8, second call (H100; bench/NOTES.md "Run 8, call 2 predictions"): issue 53's persistent-grid shapes after
+# call 1's ncu (the softmax sweep pipelined through cp.async: HK_GIF_STAGES), ncu of the 3-stage variant, its GPU
+# test, then issue 54's pacing probe (a copy spread over the GEMMs against one issued at once).
+set -u
+R=/tmp/r8b; mkdir -p $R
+D=bench/results/2026-11-27-h100-run8
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/ext
+pack() { tar czf $OUT/r8b.tgz -C /tmp r8b; }
+trap pack EXIT
+run() { local name=$1 t=$2; shift 2; local t0=$SECONDS; timeout -k 5 $t "$@" > $R/$name.log 2>&1
+  echo "=== $name rc=$? in $((SECONDS - t0)) s"; tail -n ${TAILN:-20} $R/$name.log; }
+TAILN=30 run gif_sweep 210 python3 $D/gif_sweep.py $R
+pack
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+HK_GIF_STAGES=3 TAILN=0 run ncu_gif3 60 $NCU --clock-control none --kernel-name regex:_grpo_loss_kernel --launch-skip 1 --launch-count 1 \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
+  --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum \
+  python3 $D/gif_ncu.py gif
+grep -E "dram__|lts__|Duration|DRAM Throughput|L1/TEX Hit|L2 Hit|Registers|Dynamic Shared" $R/ncu_gif3.log
+TAILN=8 run pace 90 python3 $D/pace_probe.py $R
+HK_GIF_STAGES=3 TAILN=6 run gputest_fold3 100 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_fold.py
+exit 0
