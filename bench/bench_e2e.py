@@ -213,7 +213,7 @@ def _build(arm, a, device, dtype):
         held += list(reference.parameters()) + list(reference.buffers())
         syncer = hk().ReferenceSyncer(policy, reference, every=1)
         from humanline_kernels.sync import _copy
-        engine = arm == "sync_ce"  # the experimental copy-engine copy (sync/_copy.py COPY_ENGINE)
+        engine = arm == "sync_ce"  # the copy engines (sync/_copy.py COPY_ENGINE, the default) or our kernel
 
         def step(i):
             b = batches[i % N_BATCHES]
@@ -417,8 +417,9 @@ def main(argv=None):
     off, off_peak = res["offline"]["ms"], res["offline"]["peak_GiB"]
     labels = {"offline": "offline hk.fused_linear.dpo, precomputed reference log-probs",
               "offline_ref": "offline hk.fused_linear.dpo, frozen reference forward every step",
-              "offline_eager": "offline logits + eager log-softmax", "sync": "humanline hk sync",
-              "sync_ce": "humanline hk sync, copied by the copy engines (batched cudaMemcpyBatchAsync; experimental)",
+              "offline_eager": "offline logits + eager log-softmax",
+              "sync": "humanline hk sync, copied by our kernel (HK_SYNC_COPY_ENGINE=0)",
+              "sync_ce": "humanline hk sync, copied by the copy engines (the default: batched cudaMemcpyBatchAsync)",
               "lookahead": "humanline hk lookahead", "authors": "humanline authors' way",
               "trl_dpo": "trl.DPOTrainer, frozen reference model (TRL's defaults: gradient checkpointing)",
               "trl_sync": "HumanlineDPOTrainer sync", "trl_lookahead": "HumanlineDPOTrainer lookahead"}

@@ -193,3 +193,19 @@ def test_bench_sync_quick_runs(tmp_path):
     # our sync vs the state_dict way: a ratio of two measured sync times (not of a possibly ~0 added time)
     assert math.isfinite(fsdp2["meta"]["state_dict_over_ours"]) and fsdp2["meta"]["state_dict_over_ours"] > 1
     assert {r["impl"] for r in fsdp2["rows"]} >= {"our sync alone (blocking)", "state_dict way alone"}
+
+
+def test_copy_engines_are_the_default(monkeypatch):
+    """Same-device, same-dtype CUDA groups go to the copy engines unless ``HK_SYNC_COPY_ENGINE=0`` (run 8: never
+    slower than the kernel on an H100 or an H200); the switch is read at import."""
+    import importlib
+
+    from humanline_kernels.sync import _copy
+    try:
+        monkeypatch.delenv("HK_SYNC_COPY_ENGINE", raising=False)
+        assert importlib.reload(_copy).COPY_ENGINE is True
+        monkeypatch.setenv("HK_SYNC_COPY_ENGINE", "0")
+        assert importlib.reload(_copy).COPY_ENGINE is False
+    finally:
+        monkeypatch.undo()
+        importlib.reload(_copy)

@@ -54,3 +54,5 @@ GIF_BYTES_PER_THREAD = int(_os.environ.get("HK_GIF_BYTES_PER_THREAD", "32"))
 # pipelines it through Triton's cp.async stages instead (k - 1 blocks in flight ahead), for the bytes in flight an SM
 # that run 8's ncu found short (66 % of the DRAM bandwidth, 16 KiB in flight an SM); measured before it is a default
 GIF_STAGES = int(_os.environ.get("HK_GIF_STAGES", "1"))
+# GIF_GRAD_STAGES (HK_GIF_GRAD_STAGES): the same for the gradient sweep (1: evict_first loads; k >= 2 pipelined)
+GIF_GRAD_STAGES = int(_os.environ.get("HK_GIF_GRAD_STAGES", "1"))

@@ -1,9 +1,10 @@
 """Grouped multi-tensor copy: one launch per (target device, source device, source dtype, target dtype) group.
 
-On CUDA the csrc/ kernel (16-byte vector accesses, hundreds of tensors per launch, casts fused) is used when it
-is built (``setup.py``) or can be JIT-built from a source checkout; otherwise ``torch._foreach_copy_``, whose
-fast path is also a single multi-tensor kernel per group when all sources share one dtype (which grouping
-guarantees). Set ``HUMANLINE_SYNC_KERNEL=0`` to never use or build the extension.
+On CUDA a same-device, same-dtype group is copied by the copy engines (``COPY_ENGINE``, below); a casting group by
+the csrc/ kernel (16-byte vector accesses, hundreds of tensors per launch, casts fused) when it is built
+(``setup.py``) or can be JIT-built from a source checkout; otherwise ``torch._foreach_copy_``, whose fast path is
+also a single multi-tensor kernel per group when all sources share one dtype (which grouping guarantees). Set
+``HUMANLINE_SYNC_KERNEL=0`` to never use or build the extension (the copy engines then copy tensor by tensor).
 
 A group is issued on the stream of its *stream device*: the target's device, or the source's when the target
 is on the CPU and the source on CUDA (a CPU-offloaded reference, as verl's and FSDP's ``CPUOffload`` keep it). Such
@@ -20,13 +21,15 @@ import torch
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ext = None
 _ext_tried = False
-# Experimental (issue 54, target 3): same-device, same-dtype CUDA groups copied by the copy engines, which take no SMs
-# from the step's GEMMs (run 6: the kernel's overlapped sync added its whole copy time to a GEMM chain). With the
-# extension: one cudaMemcpyBatchAsync a group, hinted to overlap with compute; without it, ``copy_`` per tensor
-# (cudaMemcpyAsync). Run 7, H200, bench sync on the GEMM chain: kernel +1.62 %, batched +0.77 %, per tensor +0.72 %
-# (the two copy-engine paths level within the ~0.5-point noise between calls; one lone +0.18 % did not repeat).
-# Casting groups keep the kernel. HK_SYNC_COPY_ENGINE=1 at import, or set at run time (bench e2e's sync_ce arm does).
-COPY_ENGINE = os.environ.get("HK_SYNC_COPY_ENGINE", "0") == "1"
+# Same-device, same-dtype CUDA groups go to the copy engines (issue 54, target 3): with the extension one
+# cudaMemcpyBatchAsync a group, hinted to overlap with compute; without it ``copy_`` per tensor (cudaMemcpyAsync,
+# also the copy engines: run 7's probe). Measured against the kernel, an overlapped bf16 sync under bench sync's GEMM
+# chain: H200 (run 7) +0.77 % against +1.62 %; H100 (run 8, two runs) +2.21 / +3.46 % against +2.33 / +4.00 %; the
+# e2e step 1.006x against 1.011x (H200) and 1.011x against 1.017x (H100) offline_ref. Never worse, so the default.
+# What the copy still costs on an H100 is the memory system's, not SMs' (run 8's clock probe: the GEMMs lose ~80 % of
+# a copy's own time whether the copy engines or a kernel copy). Casting groups keep the kernel.
+# HK_SYNC_COPY_ENGINE=0 at import (or the attribute set at run time, as bench sync / e2e do) selects the kernel.
+COPY_ENGINE = os.environ.get("HK_SYNC_COPY_ENGINE", "1") != "0"
 
 
 def load_extension(build: bool = True):

@@ -3,7 +3,8 @@
 Call 1's ncu (``ncu_gif.log``) found the kernel reading only 1.10x the two-pass floor's bytes (DRAM 2.53 GB read,
 2.08 GB written, for 2.10 GB of logits: the second sweep comes from L1 and L2, not HBM) at 66 % of the DRAM
 bandwidth: one 16 KiB block in flight an SM is too little. Candidates, each a set of ``ops.constants``: the
-softmax sweep through Triton's cp.async pipeline (``GIF_STAGES``), two programs an SM of 8 warps, 64 bytes a thread.
+softmax sweep and the gradient sweep through Triton's cp.async pipeline (``GIF_STAGES``, ``GIF_GRAD_STAGES``), two
+programs an SM of 8 warps, 64 bytes a thread.
 For each: forward + backward (``autograd.grad``, as ``bench logits``) against the two-pass floor from the copy
 measured in the same run, and the loss and gradient against the default's (must be equal: the same sums in the
 same order). Writes ``OUT/gif_sweep.json``. A record of what ran. Usage: gif_sweep.py OUT
@@ -26,11 +27,15 @@ CONFIGS = [
     {"GIF_STAGES": 2},
     {"GIF_STAGES": 3},
     {"GIF_STAGES": 4},
+    {"GIF_GRAD_STAGES": 3},
+    {"GIF_STAGES": 3, "GIF_GRAD_STAGES": 3},
+    {"GIF_STAGES": 4, "GIF_GRAD_STAGES": 4},
     {"GIF_PROGRAMS_PER_SM": 2, "GIF_WARPS": 8},
-    {"GIF_PROGRAMS_PER_SM": 2, "GIF_WARPS": 8, "GIF_STAGES": 3},
+    {"GIF_PROGRAMS_PER_SM": 2, "GIF_WARPS": 8, "GIF_STAGES": 3, "GIF_GRAD_STAGES": 3},
     {"GIF_BYTES_PER_THREAD": 64},
     {"GIF_BYTES_PER_THREAD": 64, "GIF_STAGES": 3},
 ]
+OTHER_V = [CONFIGS[i] for i in (0, 2, 5, 6)]  # at V = 151936 and 32000: the default and the likeliest
 bw = common.copy_bandwidth_bytes_per_ms()
 rows = []
 for V in (128256, 151936, 32000):
@@ -43,7 +48,7 @@ for V in (128256, 151936, 32000):
         return loss, torch.autograd.grad(loss, x)[0]
 
     base = None
-    for cfg in CONFIGS if V == 128256 else CONFIGS[:4]:
+    for cfg in CONFIGS if V == 128256 else OTHER_V:
         with mock.patch.multiple(constants, **cfg):
             for f in tuning.CLEARS:
                 f()

@@ -1,7 +1,10 @@
 #!/bin/bash
-# Run 8, second call (H100; bench/NOTES.md "Run 8, call 2 predictions"): issue 53's persistent-grid shapes after
-# call 1's ncu (the softmax sweep pipelined through cp.async: HK_GIF_STAGES), ncu of the 3-stage variant, its GPU
-# test, then issue 54's pacing probe (a copy spread over the GEMMs against one issued at once).
+# Run 8, second call (bench/NOTES.md "Run 8, call 2 predictions"; not run: loans were paused after call 1, so it
+# is the next session's first call, on either card): issue 53's persistent-grid shapes after call 1's ncu (the
+# sweeps pipelined through cp.async: HK_GIF_STAGES, HK_GIF_GRAD_STAGES), ncu of the 3/3-stage variant and its
+# GPU test, issue 54's
+# pacing probe (a copy spread over the GEMMs against one issued at once), then the sync's GPU tests with the copy
+# engines now the default for same-dtype groups (~330 s in all, estimated).
 set -u
 R=/tmp/r8b; mkdir -p $R
 D=bench/results/2026-11-27-h100-run8
@@ -14,11 +17,12 @@ run() { local name=$1 t=$2; shift 2; local t0=$SECONDS; timeout -k 5 $t "$@" > $
 TAILN=30 run gif_sweep 210 python3 $D/gif_sweep.py $R
 pack
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-HK_GIF_STAGES=3 TAILN=0 run ncu_gif3 60 $NCU --clock-control none --kernel-name regex:_grpo_loss_kernel --launch-skip 1 --launch-count 1 \
+HK_GIF_STAGES=3 HK_GIF_GRAD_STAGES=3 TAILN=0 run ncu_gif3 60 $NCU --clock-control none --kernel-name regex:_grpo_loss_kernel --launch-skip 1 --launch-count 1 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
   --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum \
   python3 $D/gif_ncu.py gif
 grep -E "dram__|lts__|Duration|DRAM Throughput|L1/TEX Hit|L2 Hit|Registers|Dynamic Shared" $R/ncu_gif3.log
 TAILN=8 run pace 90 python3 $D/pace_probe.py $R
-HK_GIF_STAGES=3 TAILN=6 run gputest_fold3 100 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_fold.py
+HK_GIF_STAGES=3 HK_GIF_GRAD_STAGES=3 TAILN=6 run gputest_fold3 100 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_fold.py
+TAILN=8 run gputests_sync 150 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_sync_kernel.py tests/test_sync_gpu.py
 exit 0

@@ -221,21 +221,29 @@ def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr, 
     compares each column with the label in int32 (``y`` is in ``[0, V)``; another value matches no column). Whole
     blocks without masks.
     ``STREAM``: the row is read for the last time (``evict_first``) and the gradient is written with streaming
-    stores (``.cs``), so that neither displaces the rows that other programs still have to read from L2."""
+    stores (``.cs``), so that neither displaces the rows that other programs still have to read from L2; at 2 or
+    more, the whole blocks' loads go through Triton's software pipeline with that many stages instead (as
+    :func:`_row_stats`' ``EVICT_LAST``; in place too: a block is read ahead of, never after, its own store)."""
     cols = tl.arange(0, BLOCK_V)
     gs = g * inv_t
     y32 = tl.where((y >= 0) & (y < V), y, -1).to(tl.int32)
     full = V - V % BLOCK_V
-    for v0 in range(0, full, BLOCK_V):
-        if STREAM:
-            x = tl.load(base + v0 + cols, eviction_policy="evict_first").to(tl.float32)
-        else:
+    if STREAM >= 2:
+        for v0 in tl.range(0, full, BLOCK_V, num_stages=STREAM):
             x = tl.load(base + v0 + cols).to(tl.float32)
-        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
-        if STREAM:
+            dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
             tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty), cache_modifier=".cs")
-        else:
-            tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty))
+    else:
+        for v0 in range(0, full, BLOCK_V):
+            if STREAM:
+                x = tl.load(base + v0 + cols, eviction_policy="evict_first").to(tl.float32)
+            else:
+                x = tl.load(base + v0 + cols).to(tl.float32)
+            dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
+            if STREAM:
+                tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty), cache_modifier=".cs")
+            else:
+                tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty))
     if full < V:
         col = full + cols
         if STREAM:
