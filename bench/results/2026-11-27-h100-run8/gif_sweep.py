@@ -9,6 +9,7 @@ For each: forward + backward (``autograd.grad``, as ``bench logits``) against th
 measured in the same run, and the loss and gradient against the default's (must be equal: the same sums in the
 same order). Writes ``OUT/gif_sweep.json``. A record of what ran. Usage: gif_sweep.py OUT
 """
+import contextlib
 import json
 import sys
 from unittest import mock
@@ -49,7 +50,7 @@ for V in (128256, 151936, 32000):
 
     base = None
     for cfg in CONFIGS if V == 128256 else OTHER_V:
-        with mock.patch.multiple(constants, **cfg):
+        with mock.patch.multiple(constants, **cfg) if cfg else contextlib.nullcontext():
             for f in tuning.CLEARS:
                 f()
             try:

@@ -4,7 +4,7 @@
 # sweeps pipelined through cp.async: HK_GIF_STAGES, HK_GIF_GRAD_STAGES), ncu of the 3/3-stage variant and its
 # GPU test, issue 54's
 # pacing probe (a copy spread over the GEMMs against one issued at once), then the sync's GPU tests with the copy
-# engines now the default for same-dtype groups (~330 s in all, estimated).
+# engines now the default for same-dtype groups; graph_gap.py (is KTO's gap the host's?) (~400 s in all, estimated).
 set -u
 R=/tmp/r8b; mkdir -p $R
 D=bench/results/2026-11-27-h100-run8
@@ -23,6 +23,7 @@ HK_GIF_STAGES=3 HK_GIF_GRAD_STAGES=3 TAILN=0 run ncu_gif3 60 $NCU --clock-contro
   python3 $D/gif_ncu.py gif
 grep -E "dram__|lts__|Duration|DRAM Throughput|L1/TEX Hit|L2 Hit|Registers|Dynamic Shared" $R/ncu_gif3.log
 TAILN=8 run pace 90 python3 $D/pace_probe.py $R
+TAILN=10 run graph_gap 90 python3 $D/graph_gap.py $R
 HK_GIF_STAGES=3 HK_GIF_GRAD_STAGES=3 TAILN=6 run gputest_fold3 100 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_fold.py
 TAILN=8 run gputests_sync 150 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_sync_kernel.py tests/test_sync_gpu.py
 exit 0
