@@ -46,19 +46,26 @@ def test_side_stream_overlap(use_kernel):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("engine", ["default", False])
 @pytest.mark.parametrize("use_kernel", [None, False])
-def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel):
-    """The experimental copy-engine path (sync/_copy.py ``COPY_ENGINE``: a same-dtype group as the extension's one
-    cudaMemcpyBatchAsync, or ``copy_`` per tensor without it) on the side stream under GEMMs: the
-    reference holds the policy's bits after every sync, and the path asked for is the one that ran."""
+def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel, engine):
+    """A same-dtype group on the side stream under GEMMs, by the default path (sync/_copy.py ``COPY_ENGINE``: the
+    extension's one cudaMemcpyBatchAsync, or ``copy_`` per tensor without it) or, with ``COPY_ENGINE`` off, by the
+    kernel: the reference holds the policy's bits after every sync, and the path asked for is the one that ran."""
+    import os
+
     from humanline_kernels.sync import _copy
-    monkeypatch.setattr(_copy, "COPY_ENGINE", True)
-    ext, calls = _copy.load_extension(), []
+    if engine is False:
+        monkeypatch.setattr(_copy, "COPY_ENGINE", False)
+    batched = _copy.COPY_ENGINE
+    assert batched == (engine == "default" and os.environ.get("HK_SYNC_COPY_ENGINE", "1") != "0")
+    ext, calls = _copy.load_extension(), {"batch": [], "kernel": []}
     if use_kernel is None and ext is None:
         pytest.skip("extension neither built nor JIT-buildable here")
     if ext is not None:
-        real = ext.multi_tensor_copy_engine
-        monkeypatch.setattr(ext, "multi_tensor_copy_engine", lambda *a: (calls.append(a[2]), real(*a))[1])
+        for key, fn in (("batch", "multi_tensor_copy_engine"), ("kernel", "multi_tensor_copy")):
+            real = getattr(ext, fn)
+            monkeypatch.setattr(ext, fn, lambda *a, k=key, f=real: (calls[k].append(a[2]), f(*a))[1])
     pol, ref = make(0, torch.bfloat16), make(1, torch.bfloat16)
     syncer = hk.ReferenceSyncer(pol, ref, every=1, use_kernel=use_kernel)
     opt = torch.optim.AdamW(pol.parameters(), lr=1e-2)
@@ -77,9 +84,11 @@ def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel):
         for r, p in zip(ref.parameters(), pre):
             assert torch.equal(r, p)
     torch.cuda.synchronize()
-    # one batched copy a sync (one bf16 group), issued on a side stream (a batch refuses the legacy default stream)
-    assert len(calls) == (3 if use_kernel is None else 0)
-    assert all(h != torch.cuda.default_stream().cuda_stream for h in calls)
+    # one launch a sync (one bf16 group), issued on a side stream (a batch refuses the legacy default stream)
+    ours = use_kernel is None
+    assert len(calls["batch"]) == (3 if ours and batched else 0)
+    assert len(calls["kernel"]) == (3 if ours and not batched else 0)
+    assert all(h != torch.cuda.default_stream().cuda_stream for h in calls["batch"] + calls["kernel"])
 
 
 def test_fsdp2_world_size_1_nccl():
