@@ -525,8 +525,10 @@ def _resources(kernel, arch):
 
 
 def _vector_loads(ptx):
-    """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``) in the PTX."""
-    return len(re.findall(r"ld\.global[.:\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))  # (hints: L2::...)
+    """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``, or 16-byte ``cp.async`` copies into
+    shared memory: Triton's software pipeline, HK_GIF_STAGES) in the PTX."""
+    return (len(re.findall(r"ld\.global[.:\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))  # (hints: L2::...)
+            + len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]", ptx)))
 
 
 def _compile(name, call, compiled, failures):
