@@ -32,7 +32,8 @@ bnpo: ``1 / sum m`` or the normalizer; dr_grpo) in each program before its rows.
 the softmax sweep loads with ``evict_last``, the gradient sweep re-reads with ``evict_first`` and writes with
 streaming stores (``.cs``). Run 8's ncu (H100, V = 128256): 1.10x the two-pass bytes from DRAM (the re-read hits
 L1/L2), at 66 % of the DRAM bandwidth: one block in flight an SM is the limit. ``GIF_STAGES`` >= 2 pipelines the
-softmax sweep through cp.async stages instead of the ``evict_last`` loads (opt-in until measured).
+softmax sweep through cp.async stages instead of the ``evict_last`` loads, ``GIF_GRAD_STAGES`` >= 2 the gradient
+sweep's loads (both opt-in until measured).
 """
 from __future__ import annotations
 
