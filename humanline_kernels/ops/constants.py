@@ -44,6 +44,10 @@ FOLD_FINALIZE = _os.environ.get("HK_FOLD_FINALIZE", "1") != "0"
 # programs an SM of GIF_WARPS warps walk the rows, so that the rows in flight stay in L2 for the gradient's second
 # sweep); False (HK_GIF_PERSISTENT=0): one program a row.
 GIF_PERSISTENT = _os.environ.get("HK_GIF_PERSISTENT", "1") != "0"
+# FOLD_ROW_WARPS_PER_SM (HK_FOLD_ROW_WARPS_PER_SM): the folded row kernels' register budget leaves room for this many
+# warps an SM (28: 7 programs of 4 warps, 72 registers; run 8, H200: KTO's kernel at 90 registers, 5 programs, read
+# at 82 % of the DRAM peak against DPO's 89 % at 72). 4 (one program) restores the budget before run 8 (248).
+FOLD_ROW_WARPS_PER_SM = int(_os.environ.get("HK_FOLD_ROW_WARPS_PER_SM", "28"))
 GIF_PROGRAMS_PER_SM = int(_os.environ.get("HK_GIF_PROGRAMS_PER_SM", "1"))
 # GIF_PROGRAMS (HK_GIF_PROGRAMS): the persistent grid's size when > 0, in place of SMs x GIF_PROGRAMS_PER_SM: fewer
 # rows in flight, for the L2 to hold (run 5, H100: 132 rows of 256 KB did not stay; `bench logits --gif-programs`)
