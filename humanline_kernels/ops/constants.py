@@ -40,14 +40,14 @@ def named_metrics(name, met):
 # bit-equal, counters zero, errors against float64 no larger than the previous path's), with parity 48/48 and
 # CUDA-graph capture. HK_FOLD_FINALIZE=0: the previous path, the row kernel and then a one-program finalize launch.
 FOLD_FINALIZE = _os.environ.get("HK_FOLD_FINALIZE", "1") != "0"
-# GIF_PERSISTENT: with FOLD_FINALIZE, GRPO's gradient in the forward on a persistent grid (GIF_PROGRAMS_PER_SM
-# programs an SM of GIF_WARPS warps walk the rows, so that the rows in flight stay in L2 for the gradient's second
-# sweep); False (HK_GIF_PERSISTENT=0): one program a row.
-GIF_PERSISTENT = _os.environ.get("HK_GIF_PERSISTENT", "1") != "0"
 # FOLD_ROW_WARPS_PER_SM (HK_FOLD_ROW_WARPS_PER_SM): the folded row kernels' register budget leaves room for this many
 # warps an SM (28: 7 programs of 4 warps, 72 registers; run 8, H200: KTO's kernel at 90 registers, 5 programs, read
 # at 82 % of the DRAM peak against DPO's 89 % at 72). 4 (one program) restores the budget before run 8 (248).
 FOLD_ROW_WARPS_PER_SM = int(_os.environ.get("HK_FOLD_ROW_WARPS_PER_SM", "28"))
+# GIF_PERSISTENT: with FOLD_FINALIZE, GRPO's gradient in the forward on a persistent grid (GIF_PROGRAMS_PER_SM
+# programs an SM of GIF_WARPS warps walk the rows, so that the rows in flight stay in L2 for the gradient's second
+# sweep); False (HK_GIF_PERSISTENT=0): one program a row.
+GIF_PERSISTENT = _os.environ.get("HK_GIF_PERSISTENT", "1") != "0"
 GIF_PROGRAMS_PER_SM = int(_os.environ.get("HK_GIF_PROGRAMS_PER_SM", "1"))
 # GIF_PROGRAMS (HK_GIF_PROGRAMS): the persistent grid's size when > 0, in place of SMs x GIF_PROGRAMS_PER_SM: fewer
 # rows in flight, for the L2 to hold (run 5, H100: 132 rows of 256 KB did not stay; `bench logits --gif-programs`)
@@ -56,7 +56,8 @@ GIF_WARPS = int(_os.environ.get("HK_GIF_WARPS", "16"))
 GIF_BYTES_PER_THREAD = int(_os.environ.get("HK_GIF_BYTES_PER_THREAD", "32"))
 # GIF_STAGES (HK_GIF_STAGES): the persistent grid's softmax sweep: 1 loads with evict_last (the default); k >= 2
 # pipelines it through Triton's cp.async stages instead (k - 1 blocks in flight ahead), for the bytes in flight an SM
-# that run 8's ncu found short (66 % of the DRAM bandwidth, 16 KiB in flight an SM); measured before it is a default
+# that run 8's ncu found short (66 % of the DRAM bandwidth, 16 KiB in flight an SM). Run 8 measured it slower at large
+# V (cp.async bypasses L1 and drops evict_last: the re-read went back to HBM), so it stays off
 GIF_STAGES = int(_os.environ.get("HK_GIF_STAGES", "1"))
 # GIF_GRAD_STAGES (HK_GIF_GRAD_STAGES): the same for the gradient sweep (1: evict_first loads; k >= 2 pipelined)
 GIF_GRAD_STAGES = int(_os.environ.get("HK_GIF_GRAD_STAGES", "1"))
