@@ -418,12 +418,11 @@ def _launch_rules():
 
     def grpo_fold(kw):  # the persistent grid (GRAD 2, 3) has its own block, warps and register budget, and the
         x = kw["x_ptr"]  # tail's tiles follow the warps
-        persistent = kw["GRAD"] >= 2
         block, warps = FOLD.grpo_config(x, kw["GRAD"])
         _tile, bb, bt = FOLD.fold_config(x, kw["B"], warps)
         kw = {k: v for k, v in kw.items() if k != "maxnreg"}
         return dict(kw, BLOCK_V=block, BLOCK_B=bb, BLOCK_T=bt, num_warps=warps,
-                    **FOLD._register_budget(x, warps, persistent))
+                    **FOLD._register_budget(x, warps, kw["GRAD"]))
     return {"_grpo_loss_kernel": grpo_fold}
 
 

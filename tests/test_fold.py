@@ -357,14 +357,17 @@ def _against_float64(shape, name, fold, previous, x, truth, keys):
 
 def test_row_kernels_register_budget(monkeypatch):
     """A folded row kernel's ``maxnreg`` leaves room for ``FOLD_ROW_WARPS_PER_SM`` warps an SM: 72 registers at 4
-    warps (7 programs), 80 at 8 (3 programs); 4 warps an SM gives the budget before run 8 (248: one program).
+    warps (7 programs), 80 at 8 (3 programs), half the programs for fp32 rows, one program's share with GRPO's
+    gradient sweep (as before); 4 warps an SM gives the budget before run 8 (248: one program).
     Run 8 (H200): KTO's kernel built at 90 registers ran 7.5 % behind DPO's at 72 (5 programs an SM against 7)."""
     from humanline_kernels.ops import _jit
-    x = torch.empty(2, 3, 64, device="meta")  # meta as a compiled device, as the compile gate routes it
+    x = torch.empty(2, 3, 64, device="meta", dtype=torch.bfloat16)  # meta as a compiled device, as the gate routes it
     _jit.COMPILED_DEVICES.add("meta")  # (the one set every launcher module imported)
     try:
         assert FOLD._register_budget(x, 4) == {"maxnreg": 72}
         assert FOLD._register_budget(x, 8) == {"maxnreg": 80}
+        assert FOLD._register_budget(x, 4, grad=1) == {"maxnreg": 248}  # the gradient sweep: one program's share
+        assert FOLD._register_budget(x.float(), 4) == {"maxnreg": 168}  # fp32 rows: 3 programs
         monkeypatch.setattr(C, "FOLD_ROW_WARPS_PER_SM", 4)
         assert FOLD._register_budget(x, 4) == {"maxnreg": 248}
     finally:

@@ -392,7 +392,7 @@ def _grpo_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[Te
             # constants
             BLOCK_V=block, TILE=tile, BLOCK_B=bb, BLOCK_T=bt, CLIP=clip_on, HAS_KL_REF=klref is not None, GRAD=mode,
             STAGES=max(C.GIF_STAGES, 1), GRAD_STAGES=max(C.GIF_GRAD_STAGES, 1), num_warps=warps,
-            **_register_budget(logits, warps, persistent))
+            **_register_budget(logits, warps, mode))
 
 
 # one launcher, two ops: the gradient (if any) into a buffer of its own or over the logits
@@ -469,19 +469,28 @@ def _cuda_arch(device: torch.device) -> int:
     return major * 10 + minor
 
 
-def _register_budget(x: Tensor, warps: int, persistent: bool = False) -> dict:
-    """``maxnreg`` for a folded kernel (:func:`..logprobs.kernel.register_budget`). A program a row: the share of
+def _register_budget(x: Tensor, warps: int, grad: int = 0) -> dict:
+    """``maxnreg`` for a folded kernel (:func:`..logprobs.kernel.register_budget`); ``grad``: GRPO's ``GRAD`` mode.
+    A program a row without a gradient sweep (DPO, KTO, GRPO's ``GRAD`` 0): the share of
     :data:`..constants.FOLD_ROW_WARPS_PER_SM` warps an SM (7 programs of 4 warps: 72 registers). Run 8 (H200,
     triton 3.6, V = 128256): KTO's kernel, built at 90 registers (5 programs an SM, occupancy 31 %), read the logits
     at 82 % of the DRAM peak in 535 us, where DPO's, at 72 (7 programs, 44 %), took 498 us at 89 %: the same bytes
-    and instructions; KTO's loss tail, run by one program, set the whole kernel's registers. Told 72, every fold
-    kernel compiles without spills. The persistent grid: its programs an SM, except for sm_90 under triton < 3.9,
-    which ptxas 12.8 fits in 128 registers by itself but spills 8-12 bytes when told 128 (the persistent grid alone
-    at 32 or 64 registers without it for small shapes). The compile gate checks every variant on both version
-    pairs and both architectures."""
+    and instructions; KTO's loss tail, run by one program, set the whole kernel's registers. Told 72 these compile
+    without spills from 16-bit logits (fp32 rows: half the programs); with the gradient sweep (``GRAD`` 1) triton
+    3.6 spills, so it keeps one program's share. The
+    persistent grid (``GRAD`` >= 2): its programs an SM, except for sm_90 under triton < 3.9, which ptxas 12.8 fits
+    in 128 registers by itself but spills 8-12 bytes when told 128 (the persistent grid alone at 32 or 64
+    registers without it for small shapes). The compile gate checks every variant on both version pairs and both
+    architectures."""
+    persistent = grad >= 2
     if persistent and _OLD_TRITON and x.device.type in COMPILED_DEVICES and _arch(x.device) >= 90:
         return {}
-    per_sm = C.GIF_PROGRAMS_PER_SM if persistent else C.FOLD_ROW_WARPS_PER_SM // warps
+    if persistent:
+        per_sm = C.GIF_PROGRAMS_PER_SM
+    elif grad:
+        per_sm = 1
+    else:  # fp32 rows hold twice the registers an element: half the programs (at 72, KTO's spilled for sm_80)
+        per_sm = C.FOLD_ROW_WARPS_PER_SM // warps // (1 if x.element_size() <= 2 else 2)
     return register_budget(x, warps, max(per_sm, 1))
 
 
