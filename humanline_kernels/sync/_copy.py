@@ -24,8 +24,9 @@ _ext_tried = False
 # Same-device, same-dtype CUDA groups go to the copy engines (issue 54, target 3): with the extension one
 # cudaMemcpyBatchAsync a group, hinted to overlap with compute; without it ``copy_`` per tensor (cudaMemcpyAsync,
 # also the copy engines: run 7's probe). Measured against the kernel, an overlapped bf16 sync under bench sync's GEMM
-# chain: H200 (run 7) +0.77 % against +1.62 %; H100 (run 8, two runs) +2.21 / +3.46 % against +2.33 / +4.00 %; the
-# e2e step 1.006x against 1.011x (H200) and 1.011x against 1.017x (H100) offline_ref. Never worse, so the default.
+# chain: H200 +0.77 % against +1.62 % (run 7), +1.49 % against +2.03 % (run 8); H100 (run 8, two runs) +2.21 / +3.46 %
+# against +2.33 / +4.00 %; the e2e step 1.006x against 1.011x (H200) and 1.011x against 1.017x (H100) offline_ref.
+# Never worse, so the default.
 # What the copy still costs is the memory system's, not SMs' (run 8's clock probe, H100 and H200: the GEMMs lose ~80 %
 # of a copy's own time whether the copy engines or a kernel copy). Casting groups keep the kernel.
 # HK_SYNC_COPY_ENGINE=0 at import (or the attribute set at run time, as bench sync / e2e do) selects the kernel.
