@@ -305,10 +305,6 @@ def _cases():
         for use_clip, kl_ref, variant in itertools.product((False, True), (False, True), GIF_VARIANTS):
             cases.append((f"fold grpo {variant} clip={use_clip} kl_ref={kl_ref} {dn} aligned", True,
                           lambda dt=dt, c=use_clip, k=kl_ref, v=variant: fold("aligned", dt, "grpo", v, c, k)))
-        if dn == "bf16":  # the persistent grid's softmax sweep through Triton's cp.async pipeline (HK_GIF_STAGES)
-            for variant in ("persistent shared new", "persistent rows inplace"):
-                cases.append((f"fold grpo {variant} stages=3/3 {dn} aligned", True,
-                              lambda dt=dt, v=variant: _stages(3, lambda: fold("aligned", dt, "grpo", v, True, True))))
         # every specialisation-changing shape, main configurations
         for sn, (_shape, _sl, aligned) in SHAPES.items():
             if sn in ("aligned", "one row"):
@@ -383,17 +379,6 @@ def _cases():
     return cases
 
 
-def _stages(k, call):
-    """``call`` with both sweeps of the persistent grid pipelined ``k`` deep (HK_GIF_STAGES, HK_GIF_GRAD_STAGES)."""
-    from humanline_kernels.ops import constants as C
-    old = C.GIF_STAGES, C.GIF_GRAD_STAGES
-    C.GIF_STAGES = C.GIF_GRAD_STAGES = k
-    try:
-        call()
-    finally:
-        C.GIF_STAGES, C.GIF_GRAD_STAGES = old
-
-
 def _tuned(family, block, warps, call):
     from humanline_kernels.ops import tuning
     with tuning.forced(family, block, warps):
@@ -401,8 +386,6 @@ def _tuned(family, block, warps, call):
 
 
 _LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
-# a pipeline depth, like a BLOCK_* size: neither a switch to combine nor a new base (its listed cases cover it)
-_DEPTHS = {"STAGES", "GRAD_STAGES"}
 _STRIDE = re.compile(r"_s[bt]$|stride")  # strides: the shape cases above cover their specialisations
 
 
@@ -451,7 +434,7 @@ def derived_variants(launches, max_bases):
         switches = {}
         for name, p in params.items():
             seen = values.get(name, set())
-            if p.is_constexpr and not name.startswith("BLOCK") and name not in _DEPTHS and seen and all(
+            if p.is_constexpr and not name.startswith("BLOCK") and seen and all(
                     isinstance(v, bool) or (isinstance(v, int) and 0 <= v < 8) for v in seen):
                 switches[name] = sorted(seen | ({False, True} if all(isinstance(v, bool) for v in seen) else set()))
             elif (not p.is_constexpr and not p.do_not_specialize and seen and not _STRIDE.search(name)
@@ -462,8 +445,7 @@ def derived_variants(launches, max_bases):
         for kwargs, grid, aligned in calls:
             key = (aligned, *sorted((k, str(v.dtype) if isinstance(v, torch.Tensor) else
                                 _int_class(v) if isinstance(v, int) and not isinstance(v, bool) else None)
-                               for k, v in kwargs.items()
-                               if k not in switches and k not in _LAUNCH_OPTIONS and k not in _DEPTHS))
+                               for k, v in kwargs.items() if k not in switches and k not in _LAUNCH_OPTIONS))
             if key not in keys and len(bases) < min(max_bases, _MAX_BASES.get(kernel.fn.__name__, max_bases)):
                 keys.add(key)
                 bases.append((kwargs, grid, aligned))
@@ -524,10 +506,8 @@ def _resources(kernel, arch):
 
 
 def _vector_loads(ptx):
-    """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``, or 16-byte ``cp.async`` copies into
-    shared memory: Triton's software pipeline, HK_GIF_STAGES) in the PTX."""
-    return (len(re.findall(r"ld\.global[.:\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))  # (hints: L2::...)
-            + len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:0x10|16)\s*[,;]", ptx)))
+    """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``) in the PTX."""
+    return len(re.findall(r"ld\.global[.:\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))  # (hints: L2::...)
 
 
 def _compile(name, call, compiled, failures):

@@ -209,31 +209,6 @@ def test_persistent_grid_walks_the_rows(monkeypatch):
     assert seen == [((1,), 3), ((4,), 3)]
 
 
-@pytest.mark.parametrize("stages, grad_stages", [(2, 1), (3, 1), (1, 3), (3, 3)])
-def test_pipelined_sweeps(monkeypatch, stages, grad_stages):
-    """``GIF_STAGES`` / ``GIF_GRAD_STAGES`` >= 2 (HK_GIF_STAGES, HK_GIF_GRAD_STAGES): the persistent grid's softmax
-    or gradient sweep goes through Triton's software pipeline (``tl.range(num_stages=...)``); the launch carries
-    the depths, and the loss, metrics and gradient match hk.reference as the default's do, with each row's weight
-    and with the shared one, in place too. (The interpreter runs the loops as written; the cp.async stages exist
-    only compiled: the compile gate builds them.)"""
-    seen = []
-    original = FOLD._launch
-
-    def record(kernel, x, grid, **kwargs):
-        seen.append((kwargs["GRAD"], kwargs["STAGES"], kwargs["GRAD_STAGES"]))
-        return original(kernel, x, grid, **kwargs)
-    monkeypatch.setattr(FOLD, "_launch", record)
-    monkeypatch.setattr(C, "FOLD_FINALIZE", True)
-    monkeypatch.setattr(C, "GIF_PERSISTENT", True)
-    monkeypatch.setattr(C, "GIF_STAGES", stages)
-    monkeypatch.setattr(C, "GIF_GRAD_STAGES", grad_stages)
-    x, y, ref = _data(2, 7, 300, seed=31)  # V = 300: two whole interpreter blocks of 128 before the tail
-    adv = (torch.tensor([0.7, -1.2]),)
-    _run("grpo", x, y, ref, adv, dict(grad_in_forward=True, beta=0.04))
-    _run("grpo", x, y, ref, adv, dict(grad_in_forward=True, loss_type="grpo", inplace_backward=True))
-    assert seen[0] == (3, stages, grad_stages) and (2, stages, grad_stages) in seen, seen
-
-
 def test_opcheck():
     """The folded launchers' torch.library ops: schema, fake tensors, autograd registration, AOT dispatch."""
     x, y, ref = _data(2, 3, 40, seed=30)

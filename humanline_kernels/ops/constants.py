@@ -54,10 +54,3 @@ GIF_PROGRAMS_PER_SM = int(_os.environ.get("HK_GIF_PROGRAMS_PER_SM", "1"))
 GIF_PROGRAMS = int(_os.environ.get("HK_GIF_PROGRAMS", "0"))
 GIF_WARPS = int(_os.environ.get("HK_GIF_WARPS", "16"))
 GIF_BYTES_PER_THREAD = int(_os.environ.get("HK_GIF_BYTES_PER_THREAD", "32"))
-# GIF_STAGES (HK_GIF_STAGES): the persistent grid's softmax sweep: 1 loads with evict_last (the default); k >= 2
-# pipelines it through Triton's cp.async stages instead (k - 1 blocks in flight ahead), for the bytes in flight an SM
-# that run 8's ncu found short (66 % of the DRAM bandwidth, 16 KiB in flight an SM). Run 8 measured it slower at large
-# V (cp.async bypasses L1 and drops evict_last: the re-read went back to HBM), so it stays off
-GIF_STAGES = int(_os.environ.get("HK_GIF_STAGES", "1"))
-# GIF_GRAD_STAGES (HK_GIF_GRAD_STAGES): the same for the gradient sweep (1: evict_first loads; k >= 2 pipelined)
-GIF_GRAD_STAGES = int(_os.environ.get("HK_GIF_GRAD_STAGES", "1"))

@@ -31,9 +31,9 @@ bnpo: ``1 / sum m`` or the normalizer; dr_grpo) in each program before its rows.
 ``pid, pid + P, ...``, so that the rows in flight (132 x 256.5 KB at V = 128256 in bf16 on an H100) fit in L2:
 the softmax sweep loads with ``evict_last``, the gradient sweep re-reads with ``evict_first`` and writes with
 streaming stores (``.cs``). Run 8's ncu (H100, V = 128256): 1.10x the two-pass bytes from DRAM (the re-read hits
-L1/L2), at 66 % of the DRAM bandwidth: one block in flight an SM is the limit. ``GIF_STAGES`` >= 2 pipelines the
-softmax sweep through cp.async stages instead of the ``evict_last`` loads, ``GIF_GRAD_STAGES`` >= 2 the gradient
-sweep's loads (both opt-in: run 8 measured them slower at large V, the re-read back in HBM without the hints).
+L1/L2), at 66 % of the DRAM bandwidth: one block in flight an SM is the limit. Either sweep pipelined through
+Triton's cp.async stages was slower (run 8: the re-read went back to HBM without L1 and the hints), so it was
+removed again.
 """
 from __future__ import annotations
 
@@ -182,20 +182,17 @@ def _shared_weight(y_ptr, y_sb, y_st, norm_ptr, B, T, ignore_index, loss_type, n
 def _grpo_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, wg_ptr, wg, g_ptr,
               g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr, q, N, T, V, n_tiles, inv_t,
               ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
-              CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr, STAGES: tl.constexpr,
-              GRAD_STAGES: tl.constexpr):
-    """One GRPO token row: terms (on the persistent grid the softmax sweep keeps the row in L2, or with ``STAGES``
-    >= 2 is pipelined: :func:`..logprobs.kernel._row_stats`' ``EVICT_LAST``), the gradient (``GRAD``, see
-    :func:`_grpo_loss_kernel`; its sweep pipelined with ``GRAD_STAGES`` >= 2) and the fold; True if this program
-    counted the launch's last tile."""
+              CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
+    """One GRPO token row: terms (on the persistent grid the softmax sweep keeps the row in L2), the gradient
+    (``GRAD``, see :func:`_grpo_loss_kernel`) and the fold; True if this program counted the launch's last tile."""
     plane = N.to(tl.int64)
     base, q, y, valid, lse, coef = _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb,
                                           adv_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, y_ptr, q, N, N, T, V, inv_t,
                                           ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, N, 0, 0, BLOCK_V,
-                                          2, CLIP, HAS_KL_REF, False, STAGES * (GRAD >= 2))
+                                          2, CLIP, HAS_KL_REF, False, GRAD >= 2)
     if GRAD != 0:
-        _grad_row(base, g_ptr, g_sb, g_st, wg_ptr, q, q, T, V, y, valid, lse, coef * wg, inv_t, BLOCK_V,
-                  GRAD_STAGES * (GRAD >= 2), GRAD != 3)
+        _grad_row(base, g_ptr, g_sb, g_st, wg_ptr, q, q, T, V, y, valid, lse, coef * wg, inv_t, BLOCK_V, GRAD >= 2,
+                  GRAD != 3)
     return _row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, plane, n_tiles, ignore_index, 4,
                      TILE)
 
@@ -206,13 +203,12 @@ def _grpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, 
                       met_ptr, w_ptr, N, B, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, rho_lo, rho_hi,
                       beta, loss_type, norm_kind, norm_value, dr_scale, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
                       BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr,
-                      GRAD: tl.constexpr, STAGES: tl.constexpr, GRAD_STAGES: tl.constexpr):
+                      GRAD: tl.constexpr):
     """GRPO: the row terms (MODE 2), the fold, and :func:`.kernel._grpo_tail` in the last program (after its rows:
     nothing of the tail is live in the row loop). ``GRAD`` (the gradient in the forward): 0 none; 1 one program a
     row, each row scaled by ``w[b]`` (``wg_ptr``); 2 the persistent grid (rows ``pid, pid + P, ...``), ``w[b]`` as
     1; 3 the persistent grid with the weight every row shares, found by each program first
-    (:func:`_shared_weight`). ``STAGES`` / ``GRAD_STAGES``: the persistent grid's softmax and gradient sweeps
-    (:data:`..constants.GIF_STAGES`, :data:`..constants.GIF_GRAD_STAGES`)."""
+    (:func:`_shared_weight`)."""
     wg = 1.0  # the shared row weight (ROW_WEIGHTS: read per row, w[b], from wg_ptr)
     if GRAD == 3:
         wg = _shared_weight(y_ptr, y_sb, y_st, norm_ptr, B, T, ignore_index, loss_type, norm_kind, norm_value,
@@ -223,12 +219,12 @@ def _grpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, 
             last |= _grpo_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st,
                               wg_ptr, wg, g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
                               tl.cast(r, tl.int64), N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, rho_lo,
-                              rho_hi, beta, BLOCK_V, TILE, CLIP, HAS_KL_REF, GRAD, STAGES, GRAD_STAGES)
+                              rho_hi, beta, BLOCK_V, TILE, CLIP, HAS_KL_REF, GRAD)
     else:
         last = _grpo_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, wg_ptr,
                          wg, g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
                          tl.program_id(0).to(tl.int64), N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi,
-                         rho_lo, rho_hi, beta, BLOCK_V, TILE, CLIP, HAS_KL_REF, GRAD, STAGES, GRAD_STAGES)
+                         rho_lo, rho_hi, beta, BLOCK_V, TILE, CLIP, HAS_KL_REF, GRAD)
     if last:
         nt = n_tiles.to(tl.int64)
         _grpo_tail(part_ptr, part_ptr + nt, part_ptr + 5 * nt, 0, 0, norm_ptr, loss_ptr, met_ptr, w_ptr, B,
@@ -391,8 +387,7 @@ def _grpo_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[Te
             dr_scale=1.0 / (B * length) if B * length else 0.0,
             # constants
             BLOCK_V=block, TILE=tile, BLOCK_B=bb, BLOCK_T=bt, CLIP=clip_on, HAS_KL_REF=klref is not None, GRAD=mode,
-            STAGES=max(C.GIF_STAGES, 1), GRAD_STAGES=max(C.GIF_GRAD_STAGES, 1), num_warps=warps,
-            **_register_budget(logits, warps, mode))
+            num_warps=warps, **_register_budget(logits, warps, mode))
 
 
 # one launcher, two ops: the gradient (if any) into a buffer of its own or over the logits
@@ -477,11 +472,10 @@ def _register_budget(x: Tensor, warps: int, grad: int = 0) -> dict:
     at 82 % of the DRAM peak in 535 us, where DPO's, at 72 (7 programs, 44 %), took 498 us at 89 %: the same bytes
     and instructions; KTO's loss tail, run by one program, set the whole kernel's registers. Told 72 these compile
     without spills from 16-bit logits (fp32 rows: half the programs); with the gradient sweep (``GRAD`` 1) triton
-    3.6 spills, so it keeps one program's share. The
-    persistent grid (``GRAD`` >= 2): its programs an SM, except for sm_90 under triton < 3.9, which ptxas 12.8 fits
-    in 128 registers by itself but spills 8-12 bytes when told 128 (the persistent grid alone at 32 or 64
-    registers without it for small shapes). The compile gate checks every variant on both version pairs and both
-    architectures."""
+    3.6 spills, so it keeps one program's share. The persistent grid (``GRAD`` >= 2): its programs an SM, except
+    for sm_90 under triton < 3.9, which ptxas 12.8 fits in 128 registers by itself but spills 8-12 bytes when told
+    128 (the persistent grid alone at 32 or 64 registers without it for small shapes). The compile gate checks
+    every variant on both version pairs and both architectures."""
     persistent = grad >= 2
     if persistent and _OLD_TRITON and x.device.type in COMPILED_DEVICES and _arch(x.device) >= 90:
         return {}

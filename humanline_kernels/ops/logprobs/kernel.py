@@ -138,10 +138,7 @@ def _exp2_ftz(x):
 @jit
 def _row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, EVICT_LAST: tl.constexpr):
     """Online softmax over one row: ``(lse, sum p*z)`` of ``z = x * inv_t`` (second is 0 without ENTROPY).
-    ``EVICT_LAST``: the loads ask L2 to keep the row (a second sweep over it follows in the same program); at 2 or
-    more, the whole blocks go through Triton's software pipeline with that many stages instead (``cp.async`` into
-    shared memory: ``EVICT_LAST - 1`` blocks in flight ahead of the one reduced, at no register cost, but without
-    the eviction hint; run 8's ncu of the persistent grid: one block in flight reached 66 % of the DRAM bandwidth).
+    ``EVICT_LAST``: the loads ask L2 to keep the row (a second sweep over it follows in the same program).
 
     The sweep works on the raw logits ``x`` (``inv_t > 0``: the max of ``x`` is the max of ``z``) with ``1/T`` and
     ``log2(e)`` folded into one factor ``c``: each element costs one FFMA and one ``MUFU.EX2``,
@@ -158,17 +155,12 @@ def _row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, EVI
     d = tl.zeros([G], dtype=tl.float32)
     s = tl.zeros([G], dtype=tl.float32)
     full = V - V % BLOCK_V
-    if EVICT_LAST >= 2:
-        for v0 in tl.range(0, full, BLOCK_V, num_stages=EVICT_LAST):  # whole blocks, pipelined
+    for v0 in range(0, full, BLOCK_V):  # whole blocks: no mask, no -inf fill
+        if EVICT_LAST:
+            x = tl.load(base + v0 + cols, eviction_policy="evict_last").to(tl.float32)
+        else:
             x = tl.load(base + v0 + cols).to(tl.float32)
-            m, k, d, s = _stats_step(tl.reshape(x, [G, GROUP]), m, k, d, s, c, ENTROPY)
-    else:
-        for v0 in range(0, full, BLOCK_V):  # whole blocks: no mask, no -inf fill
-            if EVICT_LAST:
-                x = tl.load(base + v0 + cols, eviction_policy="evict_last").to(tl.float32)
-            else:
-                x = tl.load(base + v0 + cols).to(tl.float32)
-            m, k, d, s = _stats_step(tl.reshape(x, [G, GROUP]), m, k, d, s, c, ENTROPY)
+        m, k, d, s = _stats_step(tl.reshape(x, [G, GROUP]), m, k, d, s, c, ENTROPY)
     # the last, partial block (always: all -inf when V is a whole number of blocks, which changes nothing; under an
     # `if`, each loop result would have two uses, which triton 3.6's thread-locality pass asserts against)
     col = full + cols
@@ -221,29 +213,21 @@ def _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr, 
     compares each column with the label in int32 (``y`` is in ``[0, V)``; another value matches no column). Whole
     blocks without masks.
     ``STREAM``: the row is read for the last time (``evict_first``) and the gradient is written with streaming
-    stores (``.cs``), so that neither displaces the rows that other programs still have to read from L2; at 2 or
-    more, the whole blocks' loads go through Triton's software pipeline with that many stages instead (as
-    :func:`_row_stats`' ``EVICT_LAST``; in place too: a block is read ahead of, never after, its own store)."""
+    stores (``.cs``), so that neither displaces the rows that other programs still have to read from L2."""
     cols = tl.arange(0, BLOCK_V)
     gs = g * inv_t
     y32 = tl.where((y >= 0) & (y < V), y, -1).to(tl.int32)
     full = V - V % BLOCK_V
-    if STREAM >= 2:
-        for v0 in tl.range(0, full, BLOCK_V, num_stages=STREAM):
+    for v0 in range(0, full, BLOCK_V):
+        if STREAM:
+            x = tl.load(base + v0 + cols, eviction_policy="evict_first").to(tl.float32)
+        else:
             x = tl.load(base + v0 + cols).to(tl.float32)
-            dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
+        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
+        if STREAM:
             tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty), cache_modifier=".cs")
-    else:
-        for v0 in range(0, full, BLOCK_V):
-            if STREAM:
-                x = tl.load(base + v0 + cols, eviction_policy="evict_first").to(tl.float32)
-            else:
-                x = tl.load(base + v0 + cols).to(tl.float32)
-            dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
-            if STREAM:
-                tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty), cache_modifier=".cs")
-            else:
-                tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty))
+        else:
+            tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty))
     if full < V:
         col = full + cols
         if STREAM:
