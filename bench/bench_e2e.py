@@ -2,7 +2,7 @@
 and the same inside TRL's trainers (stock ``trl.DPOTrainer`` vs ``HumanlineDPOTrainer``).
 
 ``python -m bench e2e [--quick] [--out DIR] [--arms ARM ...] [--hidden H] [--layers L] [--heads A] [--kv-heads K]
-[--intermediate I] [--vocab V] [--batch B] [--seq T] [--warmup W] [--steps S] [--lr LR]``
+[--intermediate I] [--vocab V] [--batch B] [--seq T] [--warmup W] [--steps S] [--lr LR] [--slices N]``
 
 One step = forward, backward and a fused AdamW step (``zero_grad(set_to_none=True)``) of a
 ``transformers.LlamaForCausalLM`` built from a config (default: Llama 3.2 1B's shape with an untied lm_head,
@@ -18,6 +18,8 @@ token, is scored). Arms, each built fresh from the same seed (so the same initia
 * ``offline_eager``: the same with the model's logits and an eager fp32 log-softmax (``hk.reference``);
 * ``sync``: a bf16 reference model, its forward (no grad, ``hk.fused_linear.token_logprobs_nograd``) every step,
   ``hk.ReferenceSyncer(every=1)`` started after it and waited after the backward, clip on;
+* ``sync_ce``, ``sync_paced``: ``sync`` copied by the copy engines (the default), at once or in ``--slices`` parts
+  through the policy's forward and backward (``ReferenceSyncer(slices=...)``);
 * ``lookahead``: ``hk.LookaheadReference(every=1)``: no reference model, the policy computes the next step's
   reference log-probs in eval mode at ``wait()``, clip on;
 * ``authors``: the HALOs way: a reference model, logits + eager log-softmax for both models,
@@ -57,23 +59,23 @@ from .cli import Parser
 torch = common = None
 
 TRL_ARMS = ("trl_dpo", "trl_sync", "trl_lookahead")  # bench/e2e_trl.py
-ARMS = ("offline", "offline_ref", "offline_eager", "sync", "sync_ce", "lookahead", "authors", *TRL_ARMS)
-HUMANLINE = ("sync", "sync_ce", "lookahead", "authors", "trl_sync", "trl_lookahead")
+ARMS = ("offline", "offline_ref", "offline_eager", "sync", "sync_ce", "sync_paced", "lookahead", "authors", *TRL_ARMS)
+HUMANLINE = ("sync", "sync_ce", "sync_paced", "lookahead", "authors", "trl_sync", "trl_lookahead")
 TARGET = 1.30  # issue 16: a humanline step costs at most 1.30x the offline step
 TARGET_REF = 1.02  # issue 54: ... and at most 1.02x the offline step that runs a reference forward (TRL's default)
-BASELINE = {"sync": "offline_ref", "sync_ce": "offline_ref", "lookahead": "offline_ref", "authors": "offline_ref",
-            "trl_sync": "trl_dpo", "trl_lookahead": "trl_dpo"}
+BASELINE = {"sync": "offline_ref", "sync_ce": "offline_ref", "sync_paced": "offline_ref", "lookahead": "offline_ref",
+            "authors": "offline_ref", "trl_sync": "trl_dpo", "trl_lookahead": "trl_dpo"}
 CHECK_STEP = 2  # the first step whose reference is an updated policy (steps 0 and 1 use theta_0)
 # arm -> the arm whose losses it must reproduce: the same math on the same weights and batches
-SAME_AS = {"sync_ce": "sync", "lookahead": "sync", "authors": "sync", "trl_sync": "sync", "trl_lookahead": "sync",
-           "offline_ref": "offline", "trl_dpo": "offline"}
+SAME_AS = {"sync_ce": "sync", "sync_paced": "sync", "lookahead": "sync", "authors": "sync", "trl_sync": "sync",
+           "trl_lookahead": "sync", "offline_ref": "offline", "trl_dpo": "offline"}
 # |loss difference| allowed at CHECK_STEP: sync and lookahead, offline and offline_ref run the same kernels on the
 # same weights (bit-equal on CPU; a GPU backward with atomics may differ by rounding); the authors' way (eager
 # logits) and the trainers (their own heads and sums: TRL's log-prob head for trl_dpo) compute the same with others.
-TOL = {"fp32": {"sync_ce": 1e-5, "lookahead": 1e-5, "offline_ref": 1e-5, "authors": 1e-4, "trl_dpo": 1e-4,
-                "trl_sync": 1e-4, "trl_lookahead": 1e-4},
-       "bf16": {"sync_ce": 1e-2, "lookahead": 1e-2, "offline_ref": 1e-2, "authors": 5e-2, "trl_dpo": 5e-2,
-                "trl_sync": 5e-2, "trl_lookahead": 5e-2}}
+TOL = {"fp32": {"sync_ce": 1e-5, "sync_paced": 1e-5, "lookahead": 1e-5, "offline_ref": 1e-5, "authors": 1e-4,
+                "trl_dpo": 1e-4, "trl_sync": 1e-4, "trl_lookahead": 1e-4},
+       "bf16": {"sync_ce": 1e-2, "sync_paced": 1e-2, "lookahead": 1e-2, "offline_ref": 1e-2, "authors": 5e-2,
+                "trl_dpo": 5e-2, "trl_sync": 5e-2, "trl_lookahead": 5e-2}}
 # On a GPU the same arm run twice does not give the same step-2 loss: the backward is not bit-reproducible (SDPA's
 # attention backward accumulates with atomics) and AdamW's first steps, ~lr * sign(g), turn rounding differences
 # into different weights; arms with other kernels (authors, TRL's head and its gradient checkpointing) diverge the
@@ -208,12 +210,13 @@ def _build(arm, a, device, dtype):
             loss = _fused_loss(policy, b, _fused_ref_logps(reference, b), None)
             loss.backward()
             return finish(loss)
-    elif arm in ("sync", "sync_ce"):
+    elif arm in ("sync", "sync_ce", "sync_paced"):
         reference = _frozen_copy(policy)
         held += list(reference.parameters()) + list(reference.buffers())
-        syncer = hk().ReferenceSyncer(policy, reference, every=1)
+        # sync_paced: the copy in --slices parts through the policy's forward and backward (hooks on its leaves)
+        syncer = hk().ReferenceSyncer(policy, reference, every=1, slices=a.slices if arm == "sync_paced" else 1)
         from humanline_kernels.sync import _copy
-        engine = arm == "sync_ce"  # the copy engines (sync/_copy.py COPY_ENGINE, the default) or our kernel
+        engine = arm != "sync"  # the copy engines (sync/_copy.py COPY_ENGINE, the default) or our kernel
 
         def step(i):
             b = batches[i % N_BATCHES]
@@ -341,6 +344,7 @@ def main(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"default {FULL[k]} ({QUICK[k]} with --quick)")
     p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']})")
+    p.add_argument("--slices", type=int, default=16, help="parts of sync_paced's copy (default 16)")
     p.add_argument("--supervised", action="store_true",
                    help="the hk arms run the lm_head on the completion half of each row only (supervised= ranges)")
     a = p.parse_args(argv)
@@ -355,6 +359,8 @@ def main(argv=None):
         p.error(f"--vocab must be >= 8, got {a.vocab}")
     if a.batch < 2 or a.batch % 2:
         p.error(f"--batch must be an even number >= 2 (chosen and rejected rows), got {a.batch}")
+    if a.slices < 1:
+        p.error(f"--slices must be >= 1, got {a.slices}")
     if a.seq < 4:
         p.error(f"--seq must be >= 4, got {a.seq}")
     if a.hidden % a.heads or a.heads % a.kv_heads:
@@ -420,6 +426,7 @@ def main(argv=None):
               "offline_eager": "offline logits + eager log-softmax",
               "sync": "humanline hk sync, copied by our kernel (HK_SYNC_COPY_ENGINE=0)",
               "sync_ce": "humanline hk sync, copied by the copy engines (the default: batched cudaMemcpyBatchAsync)",
+              "sync_paced": f"humanline hk sync, copy engines, in {a.slices} slices through the step",
               "lookahead": "humanline hk lookahead", "authors": "humanline authors' way",
               "trl_dpo": "trl.DPOTrainer, frozen reference model (TRL's defaults: gradient checkpointing)",
               "trl_sync": "HumanlineDPOTrainer sync", "trl_lookahead": "HumanlineDPOTrainer lookahead"}

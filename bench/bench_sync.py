@@ -10,7 +10,8 @@
    overlapped sync (fp32 policy -> bf16 reference) started before and waited after it, and with a blocking sync;
    then a bf16 policy (same-dtype groups) overlapped, copied by our kernel and by the copy engines
    (``sync._copy.COPY_ENGINE``: the extension's one ``cudaMemcpyBatchAsync`` hinted to overlap with compute, and
-   ``copy_`` per tensor; a copy engine takes no SMs from the GEMMs).
+   ``copy_`` per tensor; a copy engine takes no SMs from the GEMMs); then the same GEMMs as a policy's forward
+   (one leaf module each) with the sync paced in ``--slices`` parts (``ReferenceSyncer(slices=...)``).
 3. ``fsdp2``: a training step of a small FSDP2 model (world size 1) with and without the overlapped sync, and
    with the paper's way (``unwrap_model(policy).state_dict()`` + ``reference.load_state_dict``, here the full
    state dict through ``torch.distributed.checkpoint.state_dict``); ``ratio`` = state_dict way / our sync.
@@ -90,7 +91,7 @@ def bench_copy(device, scale):
     return rows, {"copy_bw_TBps": bw / 1e9, "kernel": ext is not None}
 
 
-def bench_overlap(device, scale, gemms):
+def bench_overlap(device, scale, gemms, slices=15):
     import humanline_kernels as hk
     shapes = layout(scale)
     pol, ref = Flat(shapes, torch.float32, device), Flat(shapes, torch.bfloat16, device)
@@ -112,6 +113,8 @@ def bench_overlap(device, scale, gemms):
     from humanline_kernels.sync import _copy
     pol16 = Flat(shapes, torch.bfloat16, device)  # same-dtype groups: the ones the copy engines can take
     base = time_reps(work, reps=30)
+    # paced: the syncer hooks the policy's leaf modules, so the GEMMs run as the policy's forward (one leaf each)
+    paced_pol, paced_ref = Chain(pol16.ps, a, b, gemms), Chain(ref.ps, a, b, gemms)
     rows = [{"impl": "GEMMs alone", "ms": base, "added_pct": 0.0}]
     # use_kernel=False on the copy-engine path: copy_ per tensor in place of the extension's one batched copy
     for name, policy, overlap, engine, kernel in [
@@ -123,7 +126,44 @@ def bench_overlap(device, scale, gemms):
         with mock.patch.object(_copy, "COPY_ENGINE", engine):
             ms = time_reps(with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap, use_kernel=kernel)), reps=30)
         rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base})
-    return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters())}
+    # the same GEMMs as the paced policy's forward: alone (the hooks' host time, if any shows), then with the sync
+    # in ``slices`` parts, one every gemms/slices GEMMs once learned (run 8's pace probe: 15 parts, one per 4 GEMMs)
+    chain = time_reps(paced_pol, reps=30)
+    rows.append({"impl": "GEMMs as modules alone", "ms": chain, "added_pct": 100 * (chain - base) / base})
+    for name, engine in [(f"GEMMs + overlapped bf16 sync (copy engines, batched, {slices} slices)", True),
+                         (f"GEMMs + overlapped bf16 sync (kernel, {slices} slices)", False)]:
+        syncer = hk.ReferenceSyncer(paced_pol, paced_ref, slices=slices)
+
+        def step(syncer=syncer):
+            syncer.start()
+            paced_pol()
+            syncer.wait()
+        with mock.patch.object(_copy, "COPY_ENGINE", engine):
+            ms = time_reps(step, reps=30)
+        rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base})
+        syncer.refresh()  # unhook
+    return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters()), "slices": slices}
+
+
+class Mm(nn.Module):
+    """One GEMM, as a leaf module (the paced syncer's hook points)."""
+
+    def forward(self, a, b):
+        return torch.mm(a, b)
+
+
+class Chain(nn.Module):
+    """``Flat``'s parameters (never read) and a forward of ``gemms`` GEMMs, each a leaf module."""
+
+    def __init__(self, ps, a, b, gemms):
+        super().__init__()
+        self.ps = ps
+        self.mm = nn.ModuleList(Mm() for _ in range(gemms))
+        self.__dict__["ab"] = (a, b)  # not state: the two models must hold the same parameters only
+
+    def forward(self):
+        for m in self.mm:
+            m(*self.ab)
 
 
 def bench_fsdp2(device):
@@ -199,16 +239,22 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
     p.add_argument("--gemms", type=int, default=60)
+    p.add_argument("--slices", type=int, default=15, help="parts of the paced sync rows (default 15)")
     p.add_argument("--skip", nargs="*", default=[], choices=["copy", "overlap", "fsdp2"])
     a = p.parse_args(argv)
     device = "cpu" if a.quick or not torch.cuda.is_available() else "cuda"
     scale = 64 if device == "cpu" else 1
     gemms = 2 if a.quick else a.gemms
+    if gemms < 1 or a.slices < 1:
+        p.error("--gemms and --slices must be positive")
+    if a.slices > a.gemms + 1:  # a part per GEMM at most (the hook points), plus the one at start()
+        p.error(f"--slices must be at most --gemms + 1 = {a.gemms + 1}")
+    slices = min(a.slices, gemms + 1)  # --quick runs 2 GEMMs
     if "copy" not in a.skip:
         rows, meta = bench_copy(device, scale)
         common.save("sync_copy", rows, {**meta, "device": device}, a.out, bar="ratio_to_copy_bw", label=("src", "dst"))
     if "overlap" not in a.skip:
-        rows, meta = bench_overlap(device, scale, gemms)
+        rows, meta = bench_overlap(device, scale, gemms, slices)
         common.save("sync_overlap", rows, {**meta, "device": device}, a.out, bar="added_pct")
     if "fsdp2" not in a.skip:
         rows, meta = bench_fsdp2(device)

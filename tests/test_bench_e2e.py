@@ -40,8 +40,8 @@ def test_quick_runs_every_arm_and_the_humanline_arms_agree(quick):
     # seconds, not minutes: a slip into the interpreter or a full-size model costs minutes of CPU
     assert took < 60, f"--quick took {took:.1f} CPU-s"
     data = json.loads((tmp_path / "e2e_quick.json").read_text())
-    arms = ["offline", "offline_ref", "offline_eager", "sync", "sync_ce", "lookahead", "authors", "trl_dpo",
-            "trl_sync", "trl_lookahead"]
+    arms = ["offline", "offline_ref", "offline_eager", "sync", "sync_ce", "sync_paced", "lookahead", "authors",
+            "trl_dpo", "trl_sync", "trl_lookahead"]
     assert [row["arm"] for row in data["rows"]] == arms
     table = r.stdout[r.stdout.index("arm "):]
     for arm in arms:
@@ -54,10 +54,12 @@ def test_quick_runs_every_arm_and_the_humanline_arms_agree(quick):
     # step 2 is the first whose reference is an updated policy; lookahead = sync to round-off, every step
     assert checks["reference_moved"]
     assert {name for name, c in checks.items() if name != "reference_moved" and c["ok"]} == {
-        "sync_ce_vs_sync", "lookahead_vs_sync", "authors_vs_sync", "trl_sync_vs_sync", "trl_lookahead_vs_sync",
+        "sync_ce_vs_sync", "sync_paced_vs_sync", "lookahead_vs_sync", "authors_vs_sync", "trl_sync_vs_sync",
+        "trl_lookahead_vs_sync",
         "offline_ref_vs_offline", "trl_dpo_vs_offline"}
     assert losses["lookahead"] == pytest.approx(losses["sync"], abs=1e-6)
     assert losses["sync_ce"] == losses["sync"]  # (on CPU the same copy; on CUDA cudaMemcpyAsync, the same bits)
+    assert losses["sync_paced"] == losses["sync"]  # the same copy, in parts
     assert losses["authors"] == pytest.approx(losses["sync"], abs=1e-4)
     assert losses["sync"][2] != pytest.approx(losses["offline"][2], abs=1e-6)  # offline keeps theta_0
     # the TRL arms train in the trainer's own loop on the same ids (from text), model and optimizer: every step's

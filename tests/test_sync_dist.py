@@ -61,18 +61,18 @@ def free_fsdp1_retained(model):
             h.post_reshard()
 
 
-def scenario(wrap_pol, wrap_ref, every=1, steps=5, ref_dtype=torch.float32, free=None, tag=""):
+def scenario(wrap_pol, wrap_ref, every=1, steps=5, ref_dtype=torch.float32, free=None, tag="", slices=1):
     pol = wrap_pol(Net(0))
     ref = wrap_ref(Net(1))
     opt = torch.optim.AdamW(pol.parameters(), lr=0.05)
-    syncer = hk.ReferenceSyncer(pol, ref, every=every)
+    syncer = hk.ReferenceSyncer(pol, ref, every=every, slices=slices)
     g = torch.Generator().manual_seed(10 + dist.get_rank())
     last_ref = None
     assert all(p.dtype == ref_dtype for p in ref.parameters())
     for t in range(steps):
         if t == 3:  # resume: a fresh syncer continues the count
             state = syncer.state_dict()
-            syncer = hk.ReferenceSyncer(pol, ref, every=every)
+            syncer = hk.ReferenceSyncer(pol, ref, every=every, slices=slices)
             syncer.load_state_dict(state)
             assert syncer.step == 3
         x = torch.randn(6, 5, generator=g)
@@ -103,6 +103,8 @@ def scenario(wrap_pol, wrap_ref, every=1, steps=5, ref_dtype=torch.float32, free
             assert sd_equal(ref_sd, last_ref), f"{tag} step {t}: reference changed on a non-sync step"
         last_ref = ref_sd
     assert syncer.step == steps
+    if slices > 1:  # the copy went in parts through the step: the hooks saw the wrapped model's leaf modules
+        assert syncer._pace.expect and syncer._pace.expect >= slices - 1, tag
 
 
 def expect_mismatch(pol, ref, match="not wrapped identically"):
@@ -115,6 +117,7 @@ def ddp_worker(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
     scenario(DDP, DDP, every=1, tag="ddp/ddp")
     scenario(DDP, lambda m: m.requires_grad_(False), every=3, steps=7, tag="ddp/plain ref")
+    scenario(DDP, DDP, every=1, slices=4, tag="ddp/ddp paced")
     expect_mismatch(DDP(Net(0)), DDP(Net(1, out=4)))
 
 
@@ -154,6 +157,7 @@ def fsdp2_worker(rank, world):
     scenario(functools.partial(fsdp2_wrap, mp_policy=bf16),
              lambda m: fsdp2_wrap(params_to_bf16(m), per_layer=False, mp_policy=bf16), ref_dtype=torch.bfloat16,
              tag="fsdp2 bf16 reference")
+    scenario(fsdp2_wrap, fsdp2_wrap, every=1, slices=3, tag="fsdp2 per-layer paced")
     expect_mismatch(fsdp2_wrap(Net(0)), fsdp2_wrap(Net(1, out=4)))
     expect_mismatch(fsdp2_wrap(Net(0)), Net(1))
 
@@ -180,6 +184,7 @@ def fsdp1_worker(rank, world):
         w = functools.partial(fsdp1_wrap, use_orig_params=orig, strategy=strategy, mixed=mixed)
         scenario(w, w, every=3 if i == 1 else 1, steps=7 if i == 1 else 4, free=free_fsdp1_retained,
                  tag=f"fsdp1 use_orig_params={orig} {strategy} mixed={mixed}")
+    scenario(fsdp1_wrap, fsdp1_wrap, every=1, steps=4, free=free_fsdp1_retained, slices=3, tag="fsdp1 paced")
     expect_mismatch(fsdp1_wrap(Net(0)), fsdp1_wrap(Net(1), wrap_cls=nn.Sequential))
     expect_mismatch(fsdp1_wrap(Net(0)), fsdp1_wrap(Net(1, out=4)))
 

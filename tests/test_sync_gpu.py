@@ -18,10 +18,11 @@ def make(seed, dtype=torch.float32):
     return m.cuda().to(dtype)
 
 
+@pytest.mark.parametrize("slices", [1, 5])
 @pytest.mark.parametrize("use_kernel", [None, False])
-def test_side_stream_overlap(use_kernel):
+def test_side_stream_overlap(use_kernel, slices):
     pol, ref = make(0), make(1, torch.bfloat16)
-    syncer = hk.ReferenceSyncer(pol, ref, every=2, use_kernel=use_kernel)
+    syncer = hk.ReferenceSyncer(pol, ref, every=2, use_kernel=use_kernel, slices=slices)
     opt = torch.optim.AdamW(pol.parameters(), lr=1e-2)
     x = torch.randn(64, 256, device="cuda")
     big = torch.randn(2048, 2048, device="cuda")

@@ -95,12 +95,12 @@ def same(a, b):
     return ok and all(torch.equal(a[k], b[k]) for k in a if k.endswith("(gathered)") and k in b)
 
 
-def scenario(pol, ref, every=1, steps=4, warm=False, dtype=torch.float32, tag=""):
+def scenario(pol, ref, every=1, steps=4, warm=False, dtype=torch.float32, tag="", slices=1):
     if warm:  # ZeRO-3: keeps persistent params gathered only from the second (traced) forward on, so the
         for _ in range(2):  # reference holds them at the first sync while the policy does not yet
             with torch.no_grad():
                 ref(torch.zeros(4, 5, dtype=dtype))
-    syncer = hk.ReferenceSyncer(pol, ref, every=every)
+    syncer = hk.ReferenceSyncer(pol, ref, every=every, slices=slices)
     g = torch.Generator().manual_seed(10 + dist.get_rank())
     last_ref = None
     for t in range(steps):
@@ -126,6 +126,8 @@ def scenario(pol, ref, every=1, steps=4, warm=False, dtype=torch.float32, tag=""
             assert same(ref_w, last_ref), f"{tag} step {t}: reference changed on a non-sync step"
         last_ref = ref_w
     assert syncer.step == steps
+    if slices > 1:  # the copy went in parts through the step: the hooks saw the engine's leaf modules
+        assert syncer._pace.expect and syncer._pace.expect >= slices - 1, tag
 
 
 def expect_mismatch(pol, ref, match="not wrapped identically"):
@@ -137,6 +139,7 @@ def zero12_worker(rank, world):
     _init_ds()
     for stage in (1, 2):
         scenario(policy_engine(Net(0), stage), reference_engine(Net(1), stage), tag=f"zero{stage}")
+    scenario(policy_engine(Net(0), 2), reference_engine(Net(1), 2), slices=3, tag="zero2 paced")
     # every=3, TRL's layout for ZeRO-1/2: a stage-0 reference engine
     scenario(policy_engine(Net(0), 2), reference_engine(Net(1), 0), every=3, steps=7, tag="zero2/stage-0 ref")
     # bf16: the module holds bf16 weights (copied), the optimizer fp32 master partitions (not copied)
@@ -206,6 +209,7 @@ def zero3_worker(rank, world, folder):
     _init_ds()
     zero3_resume(folder)
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3), tag="zero3")
+    scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3), slices=3, tag="zero3 paced")
     gathered_copied_in_wait()
     scenario(policy_engine(Net(0), 3), reference_engine(Net(1), 3), every=3, steps=7, warm=True,
              tag="zero3 every=3, warm reference")

@@ -64,6 +64,13 @@ def load_extension(build: bool = True):
     return _ext
 
 
+_CUT = 256  # elements: where split() cuts a tensor (keeps 16-byte alignment for 1- to 8-byte dtypes)
+
+
+def _nbytes(d, s) -> int:
+    return d.numel() * (d.element_size() + s.element_size())
+
+
 class CopyPlan:
     """``dsts[i].copy_(srcs[i])`` for all i, grouped so that each group is one multi-tensor launch."""
 
@@ -80,6 +87,35 @@ class CopyPlan:
             g[1].append(s)
         self.groups = groups
         self.use_kernel = use_kernel
+
+    def split(self, n: int) -> list[CopyPlan]:
+        """``n`` plans that together copy what this one copies, each about ``1/n`` of the bytes (read + written), in
+        this plan's order; a contiguous pair is cut into flat views where a share ends (at a multiple of ``_CUT``
+        elements, so the kernel's 16-byte vector path still applies), any other pair goes whole. For a sync issued
+        in slices through the step (``ReferenceSyncer(slices=n)``); plans may come out empty."""
+        pairs = [(d, s) for ds, ss in self.groups.values() for d, s in zip(ds, ss)]
+        total = max(1, sum(_nbytes(d, s) for d, s in pairs))
+        parts: list[tuple[list, list]] = [([], []) for _ in range(n)]
+        done = 0  # bytes assigned so far
+        for d, s in pairs:
+            per = d.element_size() + s.element_size()
+            flat = d.is_contiguous() and s.is_contiguous()
+            a, numel = 0, d.numel()
+            while a < numel:
+                k = min(n - 1, done * n // total)
+                b = numel
+                if flat and k < n - 1:
+                    room = ((k + 1) * total + n - 1) // n - done  # bytes left in part k's share
+                    b = min(numel, a + max(_CUT, round(room / per / _CUT) * _CUT))
+                if a == 0 and b == numel:
+                    parts[k][0].append(d)
+                    parts[k][1].append(s)
+                else:
+                    parts[k][0].append(d.view(-1)[a:b])
+                    parts[k][1].append(s.view(-1)[a:b])
+                done += (b - a) * per
+                a = b
+        return [CopyPlan(ds, ss, use_kernel=self.use_kernel) for ds, ss in parts]
 
     @staticmethod
     def stream_device(key):

@@ -14,6 +14,14 @@ gathered full data of ZeRO-3 params are copied in ``wait()`` on the current stre
 between the two may change them (BatchNorm running stats) or free and reuse their memory (a ZeRO-3 param the
 policy held gathered at ``start()``): copying them concurrently would race, and after the forward they are what
 the policy holds at the step.
+
+With ``slices`` > 1 the parameter copy of ``start()`` is cut into that many parts of about equal bytes: the first
+is issued at ``start()``, the others at points spread through the policy's forward and backward (forward hooks on
+its leaf modules, and hooks on their outputs' gradients), each on the side stream after an event recorded on the
+stream computing at that point, and whatever is left at ``wait()``. Where the points fall is learned: the first
+step assumes two per leaf module (one forward, one backward), later steps space the parts by the count the step
+before saw. The copy is the same; only when its bytes reach the memory system changes (issue 54, target 3: run 8's
+pace probe, a copy in 15 slices beside a GEMM chain cost about half of one issued at once).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from torch import nn
 
 from ._backends import collect_pairs
 from ._copy import CopyPlan
+from ._pace import _Pace
 
 
 class ReferenceSyncer:
@@ -48,10 +57,13 @@ class ReferenceSyncer:
         overlap: on CUDA, run the copy on a side stream ordered by events; otherwise on the current stream.
         use_kernel: ``None`` (auto: the csrc/ kernel when built or JIT-buildable, else ``torch._foreach_copy_``),
             ``True`` (require it) or ``False`` (always ``_foreach_copy_``).
+        slices: issue ``start()``'s copy in this many parts spread through the policy's forward and backward
+            (hooks on its leaf modules; see the module docstring) instead of all at once. 1 (the default): at once.
+            For eager models: a hook inside a ``torch.compile``'d region breaks its graph.
     """
 
     def __init__(self, policy: nn.Module, reference: nn.Module, every: int = 1, overlap: bool = True,
-                 use_kernel: bool | None = None):
+                 use_kernel: bool | None = None, slices: int = 1):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         for name, m in (("policy", policy), ("reference", reference)):
@@ -64,6 +76,8 @@ class ReferenceSyncer:
             raise ValueError(f"overlap must be a bool, got {overlap!r}")
         if use_kernel not in (None, True, False):
             raise ValueError(f"use_kernel must be None, True or False, got {use_kernel!r}")
+        if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
+            raise ValueError(f"slices must be a positive int, got {slices!r}")
         self.policy, self.reference = policy, reference
         self.every = every
         self.overlap = overlap
@@ -74,6 +88,8 @@ class ReferenceSyncer:
         self._pairs = None        # backend pair set, collected lazily and re-collected on structural change
         self._streams: dict = {}  # device -> side stream
         self._done: dict = {}     # device -> event recorded on the side stream after the copy
+        self.slices = slices
+        self._pace = _Pace(self) if slices > 1 else None
 
     # ---- counter -------------------------------------------------------------------------------------------
     @property
@@ -120,8 +136,11 @@ class ReferenceSyncer:
         self.refresh()
 
     def refresh(self) -> None:
-        """Forget the collected parameter pairs (they are re-collected and re-checked on the next sync)."""
+        """Forget the collected parameter pairs (they are re-collected and re-checked on the next sync), and with
+        ``slices`` > 1 the hooked modules (hooked again on the next sync)."""
         self._pairs = None
+        if self._pace is not None:
+            self._pace.unhook()
 
     # ---- the three calls -------------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -133,7 +152,10 @@ class ReferenceSyncer:
         if not self.is_sync_step:
             return False
         if not self._started:
-            self._launch(side=self.overlap)
+            if self._pace is not None:
+                self._pace.begin(self._plan(late=False).split(self.slices))
+            else:
+                self._launch(side=self.overlap)
             self._started = True
         return True
 
@@ -146,9 +168,7 @@ class ReferenceSyncer:
         synced = self.is_sync_step
         if synced:
             if self._started:
-                for d, ev in self._done.items():
-                    torch.cuda.current_stream(d).wait_event(ev)
-                self._done = {}
+                self._finish_started()
             else:
                 self._launch(side=False)
             with torch.no_grad():
@@ -178,9 +198,7 @@ class ReferenceSyncer:
         """
         if not self._started:
             return False
-        for d, ev in self._done.items():
-            torch.cuda.current_stream(d).wait_event(ev)
-        self._done = {}
+        self._finish_started(learn=False)
         with torch.no_grad():  # the late pairs (buffers, ZeRO-3 gathered data) too: the reference is wholly θ_t
             plan = self._plan(late=True)
             for d in plan.devices():
@@ -214,12 +232,18 @@ class ReferenceSyncer:
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _launch(self, side: bool) -> None:
-        plan = self._plan(late=False)
+        self._issue(self._plan(late=False), side)
+
+    def _issue(self, plan: CopyPlan, side: bool) -> None:
+        """Run ``plan``: with ``side``, each CUDA device's groups on its side stream after what the device's current
+        stream has queued (``self._done`` then holds the event that completes them); otherwise on the current
+        streams."""
         with torch.no_grad():
             by_dev = plan.devices()
-            cuda_devs = [d for d in by_dev if d.type == "cuda"]
-            if side and cuda_devs:
-                for d in cuda_devs:
+            if side and any(d.type == "cuda" for d in by_dev):
+                for d in by_dev:
+                    if d.type != "cuda":
+                        continue
                     stream = self._streams.get(d)
                     if stream is None:
                         stream = self._streams[d] = torch.cuda.Stream(device=d)
@@ -237,6 +261,14 @@ class ReferenceSyncer:
             else:
                 for d in by_dev:
                     plan.run(d)
+
+    def _finish_started(self, learn: bool = True) -> None:
+        """Issue what a paced copy has left, then order the current streams after the side streams' copies."""
+        if self._pace is not None:
+            self._pace.end(learn)
+        for d, ev in self._done.items():
+            torch.cuda.current_stream(d).wait_event(ev)
+        self._done = {}
 
     def _collect(self):
         return collect_pairs(self.policy, self.reference)

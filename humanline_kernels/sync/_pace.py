@@ -1,0 +1,136 @@
+"""A sync's copy issued in slices through the step: ``ReferenceSyncer(..., slices=n)``.
+
+Between ``start()`` and ``wait()`` the policy's parameters do not change (its forward and backward read them; the
+update comes after ``wait()``), so any part of the copy may be issued at any point of that window. ``_Pace`` cuts the
+copy into ``n`` parts of about equal bytes (``CopyPlan.split``) and issues them at *points*: each call of one of the
+policy's leaf modules in the forward, and the gradient of its output in the backward (a hook on that tensor). On
+CUDA a part goes to the side stream after an event recorded on the stream computing at that point, so it starts on
+the GPU when the step's kernels reach that point, not when the host gets there.
+
+Where the parts go: part 0 at ``start()``, part k at point ``k * P // n``, what is left at ``wait()``. ``P`` is the
+number of points the previous paced step saw (2 per leaf module before the first: one forward call, one gradient),
+so gradient accumulation, activation checkpointing (forwards run twice) and modules a forward skips are learned
+after one step. A step that sees fewer than ``n - 1`` points warns once (``sync()``, a compiled policy): its parts
+are issued together.
+
+Why: a copy beside compute-bound GEMMs costs them most of the copy's own time, whoever copies (run 8's clock probe:
+78-87 %, the memory system's); issued in 15 slices through a GEMM chain it cost about half (run 8's pace probe:
++0.81 % against +1.76 % at once on an H100, +1.12 % against +1.96 % on an H200). ``bench sync`` and ``bench e2e``
+time it (their ``paced`` rows and arm).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+
+class _Pace:
+    """The paced copy of one ``ReferenceSyncer`` (its ``_issue`` runs a part; ``overlap`` picks the stream)."""
+
+    def __init__(self, syncer):
+        self.syncer = syncer
+        self.lock = threading.Lock()  # backward hooks run on autograd's device threads
+        self.handles: list | None = None  # the forward hooks on the policy's leaf modules
+        self.leaves = 0
+        self.pending: list = []  # parts not yet issued, in order
+        self.marks: list[int] = []  # the point at which each pending part is issued
+        self.active = False  # between begin() and end(): the hooks count points
+        self.points = 0  # points seen since begin()
+        self.expect: int | None = None  # points the previous paced step saw
+        self.warned = False
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def begin(self, parts: list) -> None:
+        """At ``start()``: issue part 0 and schedule the rest."""
+        if self.handles is None:
+            self.hook(self.syncer.policy)
+        n = len(parts)
+        expect = self.expect if self.expect is not None else 2 * self.leaves
+        with self.lock:
+            self.active, self.points = True, 0
+            self.pending = parts[1:]
+            self.marks = [k * expect // n for k in range(1, n)]
+            self.syncer._issue(parts[0], self.syncer.overlap)
+            self._release()
+
+    def end(self, learn: bool = True) -> None:
+        """At ``wait()``: issue what is left and learn how many points a step has (``learn=False``: ``abort()``,
+        a step cut short)."""
+        with self.lock:
+            left, seen = self.pending, self.points
+            self.active, self.pending, self.marks = False, [], []
+            for part in left:
+                self.syncer._issue(part, self.syncer.overlap)
+        if not learn:
+            return
+        self.expect = seen
+        if seen < self.syncer.slices - 1 and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"ReferenceSyncer(slices={self.syncer.slices}): {seen} hook points between start() and wait() (calls "
+                f"of the policy's {self.leaves} leaf modules and their gradients), fewer than the slices, so the copy "
+                "goes in fewer parts; the policy's forward must run between start() and wait(), uncompiled",
+                RuntimeWarning, stacklevel=4)
+
+    def tick(self) -> None:
+        with self.lock:
+            if not self.active:
+                return
+            self.points += 1
+            self._release()
+
+    def _release(self) -> None:
+        while self.pending and self.points >= self.marks[0]:
+            self.marks.pop(0)
+            self.syncer._issue(self.pending.pop(0), self.syncer.overlap)
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+    def hook(self, policy: nn.Module) -> None:
+        leaves = [m for m in policy.modules() if next(m.children(), None) is None]
+        ref = weakref.ref(self)
+        self.handles = [m.register_forward_hook(_forward_hook(ref)) for m in leaves]
+        self.leaves = len(leaves)
+        self._finalizer = weakref.finalize(self, _remove, self.handles)  # a dropped syncer leaves no hook behind
+
+    def unhook(self) -> None:
+        if self.handles is not None:
+            _remove(self.handles)
+            self.handles = None
+
+    def grad_hook(self, grad):
+        self.tick()
+
+
+def _forward_hook(ref):
+    def hook(module, args, output):
+        pace = ref()
+        if pace is None or not pace.active:
+            return None
+        pace.tick()
+        if torch.is_grad_enabled():
+            t = _grad_tensor(output)
+            if t is not None:
+                t.register_hook(pace.grad_hook)
+        return None
+    return hook
+
+
+def _grad_tensor(output):
+    """The first tensor of a leaf module's output that will get a gradient, or ``None``."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for o in output:
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                return o
+    return None
+
+
+def _remove(handles) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
