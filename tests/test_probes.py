@@ -1,0 +1,55 @@
+"""The prepared GPU probes compute what they claim, under the Triton interpreter (bench/probes/; their timing and
+their cross-program synchronisation are a GPU's to check)."""
+import os
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes"))
+import gif_split  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
+
+
+def _inputs(N=5, V=3000):
+    torch.manual_seed(0)
+    x = (torch.randn(N, V) * 3).bfloat16()
+    y = torch.randint(0, V, (N,), dtype=torch.int32)
+    y[0] = V - 1  # the label in the last, partial chunk
+    return x, y, torch.randn(N) * 0.1 - 2
+
+
+def _check(out, logp, x, y, r):
+    g_ref, lp_ref = gif_split.reference(x, y, r, 0.8, 1 / 0.7)
+    # the bf16 gradient: one rounding, which the interpreter does by truncation (a bf16 ulp, 2^-7 relative)
+    torch.testing.assert_close(out.float(), g_ref, rtol=2**-7, atol=1e-30)
+    torch.testing.assert_close(logp, lp_ref, rtol=0, atol=1e-5)
+
+
+def test_split_one_chunk_and_two_sweep_against_torch():
+    x, y, r = _inputs()
+    out, logp, err = gif_split.split(x, y, r, 0.8, 1 / 0.7, 4096, 4)  # C = 1: the program waits on itself only
+    assert err.item() == 0
+    _check(out, logp, x, y, r)
+    _check(*gif_split.two_sweep(x, y, r, 0.8, 1 / 0.7, block=256), x, y, r)
+
+
+@pytest.mark.parametrize("chunk", [256, 512, 1024])  # C = 12, 6, 3: not powers of two
+def test_split_combines_the_chunks(chunk):
+    """The interpreter runs programs one after another, so a row's first program would wait for ever on the others:
+    the counters start high (nobody waits) and the kernel runs twice; the second run combines the partials that
+    every program of the first published."""
+    x, y, r = _inputs()
+    N, V = x.shape
+    C = triton.cdiv(V, chunk)
+    out, logp = torch.zeros_like(x), torch.empty(N)
+    ws, err = torch.full((N * C * 2,), float("nan")), torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):
+        cnt = torch.full((N,), 1 << 20, dtype=torch.int32)
+        gif_split._split_kernel[(N * C,)](x, y, r, 0.8, out, logp, ws, cnt, err, V, 1 / 0.7, C=C,
+                                          CP=triton.next_power_of_2(C), CHUNK=chunk, num_warps=4)
+        assert (cnt == (1 << 20) + C).all()  # each program counted itself in once
+    assert err.item() == 0
+    _check(out, logp, x, y, r)
