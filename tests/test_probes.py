@@ -1,6 +1,9 @@
-"""The prepared GPU probes compute what they claim, under the Triton interpreter (bench/probes/; their timing and
-their cross-program synchronisation are a GPU's to check)."""
+"""The prepared GPU probes (bench/probes/): gif_split.py's kernels compute what they claim under the Triton
+interpreter, and gif_cluster.cu builds for sm_90a without spills (nvcc). Their timing and their cross-program
+synchronisation are a GPU's to check."""
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -8,9 +11,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes"))
+import gif_cluster  # noqa: E402
 import gif_split  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
 
 
 def _inputs(N=5, V=3000):
@@ -28,6 +32,7 @@ def _check(out, logp, x, y, r):
     torch.testing.assert_close(logp, lp_ref, rtol=0, atol=1e-5)
 
 
+@interpreted
 def test_split_one_chunk_and_two_sweep_against_torch():
     x, y, r = _inputs()
     out, logp, err = gif_split.split(x, y, r, 0.8, 1 / 0.7, 4096, 4)  # C = 1: the program waits on itself only
@@ -36,6 +41,7 @@ def test_split_one_chunk_and_two_sweep_against_torch():
     _check(*gif_split.two_sweep(x, y, r, 0.8, 1 / 0.7, block=256), x, y, r)
 
 
+@interpreted
 @pytest.mark.parametrize("chunk", [256, 512, 1024])  # C = 12, 6, 3: not powers of two
 def test_split_combines_the_chunks(chunk):
     """The interpreter runs programs one after another, so a row's first program would wait for ever on the others:
@@ -53,3 +59,15 @@ def test_split_combines_the_chunks(chunk):
         assert (cnt == (1 << 20) + C).all()  # each program counted itself in once
     assert err.item() == 0
     _check(out, logp, x, y, r)
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc")
+def test_cluster_probe_builds_for_sm90a_without_spills(tmp_path):
+    cubin = tmp_path / "k.cubin"
+    p = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", "-Xptxas", "-v", gif_cluster.SRC, "-o",
+                        str(cubin)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    log = p.stdout + p.stderr
+    for cl, threads in gif_cluster.CONFIGS:  # every configuration the probe launches is in the cubin
+        assert f"gif_cluster_{cl}_{threads}" in log
+    assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(gif_cluster.CONFIGS), log
