@@ -98,6 +98,7 @@ class _Pace:
 
     def unhook(self) -> None:
         if self.handles is not None:
+            self._finalizer.detach()
             _remove(self.handles)
             self.handles = None
 
