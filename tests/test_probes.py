@@ -35,9 +35,11 @@ def _check(out, logp, x, y, r):
 @interpreted
 def test_split_one_chunk_and_two_sweep_against_torch():
     x, y, r = _inputs()
-    out, logp, err = gif_split.split(x, y, r, 0.8, 1 / 0.7, 4096, 4)  # C = 1: the program waits on itself only
-    assert err.item() == 0
-    _check(out, logp, x, y, r)
+    cnt = torch.zeros(x.shape[0], dtype=torch.int32)
+    for gen in (1, 2):  # C = 1: the program waits on itself only; the second launch on the same counters
+        out, logp, err = gif_split.split(x, y, r, 0.8, 1 / 0.7, 4096, 4, cnt=cnt, gen=gen)
+        assert err.item() == 0 and (cnt == gen).all()
+        _check(out, logp, x, y, r)
     _check(*gif_split.two_sweep(x, y, r, 0.8, 1 / 0.7, block=256), x, y, r)
 
 
@@ -54,7 +56,7 @@ def test_split_combines_the_chunks(chunk):
     ws, err = torch.full((N * C * 2,), float("nan")), torch.zeros(1, dtype=torch.int32)
     for _ in range(2):
         cnt = torch.full((N,), 1 << 20, dtype=torch.int32)
-        gif_split._split_kernel[(N * C,)](x, y, r, 0.8, out, logp, ws, cnt, err, V, 1 / 0.7, C=C,
+        gif_split._split_kernel[(N * C,)](x, y, r, 0.8, out, logp, ws, cnt, err, V, 1 / 0.7, C, C=C,
                                           CP=triton.next_power_of_2(C), CHUNK=chunk, num_warps=4)
         assert (cnt == (1 << 20) + C).all()  # each program counted itself in once
     assert err.item() == 0

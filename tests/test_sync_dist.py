@@ -105,6 +105,7 @@ def scenario(wrap_pol, wrap_ref, every=1, steps=5, ref_dtype=torch.float32, free
     assert syncer.step == steps
     if slices > 1:  # the copy went in parts through the step: the hooks saw the wrapped model's leaf modules
         assert syncer._pace.expect and syncer._pace.expect >= slices - 1, tag
+        assert syncer._pace.issued["points"] > 0 and syncer._pace.issued["wait"] == 0, (tag, syncer._pace.issued)
 
 
 def expect_mismatch(pol, ref, match="not wrapped identically"):

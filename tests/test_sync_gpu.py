@@ -92,6 +92,43 @@ def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel, engine):
     assert all(h != torch.cuda.default_stream().cuda_stream for h in calls["batch"] + calls["kernel"])
 
 
+def test_paced_parts_wait_for_the_compute_at_their_point():
+    """slices=4 on CUDA, the step on a non-default stream: every part is issued from that stream (the backward
+    hooks too, where autograd's thread sets the forward's stream), and a part issued after a slow kernel does not
+    finish before it, while the parts issued before it do; the reference is the pre-step policy after wait()."""
+    pol, ref = make(0), make(1, torch.bfloat16)
+    syncer = hk.ReferenceSyncer(pol, ref, every=1, slices=4)
+    x = torch.randn(64, 256, device="cuda")
+    compute, streams, done = torch.cuda.Stream(), [], []
+    inner = syncer._issue
+
+    def issue(plan, side):
+        streams.append(torch.cuda.current_stream())
+        inner(plan, side)
+        done.append(syncer._done[torch.device("cuda", torch.cuda.current_device())])
+    syncer._issue = issue
+    with torch.cuda.stream(compute):
+        syncer.start()  # step 0 learns the points: 13 leaves, 26 points; parts at 0, 6, 13 and 19
+        pol(x).square().mean().backward()
+        syncer.wait()
+        streams.clear()
+        done.clear()
+        # block 3's first leaf is point 7: part 1 (point 6) is before the slow kernel, parts 2 and 3 after it
+        h = pol[3].register_forward_pre_hook(lambda m, a: torch.cuda._sleep(1_000_000_000))  # ~0.5 s of GPU time
+        syncer.start()
+        pol(x).square().mean().backward()
+        h.remove()
+        assert len(done) == 4 and all(s == compute for s in streams), (len(done), streams)
+        done[1].synchronize()  # finishes while the GPU still sleeps
+        assert not done[2].query() and not done[3].query()
+        pre = [p.detach().clone() for p in pol.parameters()]
+        syncer.wait()
+    torch.cuda.synchronize()
+    assert syncer._pace.issued == {"start": 1, "points": 3, "wait": 0}
+    for r, p in zip(ref.parameters(), pre):
+        assert torch.equal(r, p.to(r.dtype))
+
+
 def test_fsdp2_world_size_1_nccl():
     from _dist import free_port
     from torch.distributed.device_mesh import init_device_mesh

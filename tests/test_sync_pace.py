@@ -3,7 +3,6 @@ backward (sync/_pace.py). On CPU the parts run on the current stream at their po
 is visible; the side-stream version is tests/test_sync_gpu.py's, the wrapped models' tests/test_sync_dist.py's and
 tests/test_sync_zero.py's."""
 import copy
-import gc
 import warnings
 
 import pytest
@@ -126,6 +125,8 @@ def test_paced_sync_trains_as_the_unpaced_one(micro):
             leaves = 4 * 3 + 1
             assert syncer._pace.leaves == leaves
             assert syncer._pace.expect == 2 * leaves * micro  # one forward call and one gradient a leaf
+            assert syncer._pace.issued["start"] == 1 and syncer._pace.issued["wait"] == 0
+            assert syncer._pace.issued["points"] == 3
             for t, at in enumerate(phases):
                 assert at[0] == 1, (t, at)  # part 0 at start()
                 assert at[-1] == 4, (t, at)  # all four issued
@@ -214,8 +215,7 @@ def test_hooks_are_removed_with_the_syncer_and_by_refresh():
     pol(torch.randn(2, 32)).sum().backward()
     syncer.wait()
     assert hooked() == 13
-    del syncer
-    gc.collect()
+    del syncer  # no cycle holds it: the hooks go at once, without a garbage collection
     assert hooked() == 0
     hk.ReferenceSyncer(pol, ref).sync()  # slices=1 hooks nothing
     assert hooked() == 0
@@ -225,3 +225,57 @@ def test_hooks_are_removed_with_the_syncer_and_by_refresh():
 def test_bad_slices(bad):
     with pytest.raises(ValueError, match="slices must be a positive int"):
         hk.ReferenceSyncer(_model(0), _model(1), slices=bad)
+
+
+def test_a_failing_part_is_never_lost():
+    """A part whose copy raises stays to do: start() arms nothing (a later step issues no stale part), a point's
+    failure leaves the part pending, and abort() completes the whole copy."""
+    pol, ref = _model(0), _model(1).requires_grad_(False)
+    syncer = hk.ReferenceSyncer(pol, ref, every=2, slices=4)
+    inner, fail = syncer._issue, {"on": True}
+
+    def issue(plan, side):
+        if fail["on"]:
+            raise RuntimeError("copy failed")
+        inner(plan, side)
+    syncer._issue = issue
+    before = [p.clone() for p in ref.parameters()]
+    with pytest.raises(RuntimeError, match="copy failed"):
+        syncer.start()
+    assert not syncer._pace.active and not syncer._pace.pending
+    pol(torch.randn(2, 32)).sum().backward()  # points while nothing is armed: no copy
+    assert all(torch.equal(a, b) for a, b in zip(before, ref.parameters()))
+    fail["on"] = False
+    syncer.start()  # the same step again (the counter did not move)
+    fail["on"] = True
+    with pytest.raises(RuntimeError, match="copy failed"):
+        pol(torch.randn(2, 32)).sum().backward()  # the first point that issues a part fails
+    left = len(syncer._pace.pending)
+    assert left == 3
+    fail["on"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert syncer.abort() is True
+    assert all(torch.equal(r, p) for r, p in zip(ref.parameters(), pol.parameters()))
+
+
+def test_a_compiled_policy_counts_no_points_and_still_copies_everything():
+    """Traced by torch.compile, the hooks count nothing (no copy baked into a graph): the step warns, the whole copy
+    goes at wait(), and from then on at start()."""
+    pol, ref = _model(0), _model(1).requires_grad_(False)
+    compiled = torch.compile(pol, backend="eager")
+    syncer = hk.ReferenceSyncer(pol, ref, slices=3)
+    for t in range(2):
+        syncer.start()
+        compiled(torch.randn(2, 32)).sum().backward()
+        theta = [p.detach().clone() for p in pol.parameters()]
+        if t == 0:
+            with pytest.warns(RuntimeWarning, match="0 hook points"):
+                syncer.wait()
+        else:
+            syncer.wait()
+            assert syncer._pace.issued == {"start": 3, "points": 0, "wait": 0}
+        assert all(torch.equal(r, p) for r, p in zip(ref.parameters(), theta))
+        with torch.no_grad():
+            for p in pol.parameters():
+                p.add_(0.1)

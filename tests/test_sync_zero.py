@@ -128,6 +128,7 @@ def scenario(pol, ref, every=1, steps=4, warm=False, dtype=torch.float32, tag=""
     assert syncer.step == steps
     if slices > 1:  # the copy went in parts through the step: the hooks saw the engine's leaf modules
         assert syncer._pace.expect and syncer._pace.expect >= slices - 1, tag
+        assert syncer._pace.issued["points"] > 0 and syncer._pace.issued["wait"] == 0, (tag, syncer._pace.issued)
 
 
 def expect_mismatch(pol, ref, match="not wrapped identically"):

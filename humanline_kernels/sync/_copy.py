@@ -94,19 +94,22 @@ class CopyPlan:
         elements, so the kernel's 16-byte vector path still applies), any other pair goes whole. For a sync issued
         in slices through the step (``ReferenceSyncer(slices=n)``); plans may come out empty."""
         pairs = [(d, s) for ds, ss in self.groups.values() for d, s in zip(ds, ss)]
-        total = max(1, sum(_nbytes(d, s) for d, s in pairs))
+        total = sum(_nbytes(d, s) for d, s in pairs)
         parts: list[tuple[list, list]] = [([], []) for _ in range(n)]
-        done = 0  # bytes assigned so far
+        k, done = 0, 0  # the part being filled, bytes assigned so far
         for d, s in pairs:
             per = d.element_size() + s.element_size()
             flat = d.is_contiguous() and s.is_contiguous()
             a, numel = 0, d.numel()
             while a < numel:
-                k = min(n - 1, done * n // total)
                 b = numel
-                if flat and k < n - 1:
-                    room = ((k + 1) * total + n - 1) // n - done  # bytes left in part k's share
-                    b = min(numel, a + max(_CUT, round(room / per / _CUT) * _CUT))
+                if k < n - 1 and flat:
+                    room = -(-(k + 1) * total // n) - done  # bytes left in part k's share (rounded up)
+                    take = round(room / per / _CUT) * _CUT
+                    if take <= 0:  # the share is full to within half a cut: go on to the next part
+                        k += 1
+                        continue
+                    b = min(numel, a + take)
                 if a == 0 and b == numel:
                     parts[k][0].append(d)
                     parts[k][1].append(s)
@@ -115,6 +118,8 @@ class CopyPlan:
                     parts[k][1].append(s.view(-1)[a:b])
                 done += (b - a) * per
                 a = b
+                while k < n - 1 and done >= -(-(k + 1) * total // n):  # a whole pair may fill several shares
+                    k += 1
         return [CopyPlan(ds, ss, use_kernel=self.use_kernel) for ds, ss in parts]
 
     @staticmethod

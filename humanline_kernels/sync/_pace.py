@@ -32,39 +32,49 @@ class _Pace:
     """The paced copy of one ``ReferenceSyncer`` (its ``_issue`` runs a part; ``overlap`` picks the stream)."""
 
     def __init__(self, syncer):
-        self.syncer = syncer
+        self._syncer = weakref.ref(syncer)  # no cycle: a dropped syncer takes its hooks with it at once
         self.lock = threading.Lock()  # backward hooks run on autograd's device threads
         self.handles: list | None = None  # the forward hooks on the policy's leaf modules
+        self._finalizer = None
         self.leaves = 0
         self.pending: list = []  # parts not yet issued, in order
         self.marks: list[int] = []  # the point at which each pending part is issued
         self.active = False  # between begin() and end(): the hooks count points
         self.points = 0  # points seen since begin()
         self.expect: int | None = None  # points the previous paced step saw
+        self.issued = {"start": 0, "points": 0, "wait": 0}  # where the last paced step's parts went
         self.warned = False
+
+    @property
+    def syncer(self):
+        return self._syncer()
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def begin(self, parts: list) -> None:
-        """At ``start()``: issue part 0 and schedule the rest."""
+        """At ``start()``: issue part 0 (and any part due at point 0) and schedule the rest."""
         if self.handles is None:
             self.hook(self.syncer.policy)
         n = len(parts)
         expect = self.expect if self.expect is not None else 2 * self.leaves
         with self.lock:
-            self.active, self.points = True, 0
-            self.pending = parts[1:]
-            self.marks = [k * expect // n for k in range(1, n)]
-            self.syncer._issue(parts[0], self.syncer.overlap)
-            self._release()
+            self.points, self.issued = 0, {"start": 0, "points": 0, "wait": 0}
+            self.pending = list(parts)
+            self.marks = [k * expect // n for k in range(n)]
+            try:
+                self._release("start")
+            except BaseException:  # nothing armed when start() fails: a later step must not issue stale parts
+                self.pending, self.marks = [], []
+                raise
+            self.active = True
 
     def end(self, learn: bool = True) -> None:
         """At ``wait()``: issue what is left and learn how many points a step has (``learn=False``: ``abort()``,
-        a step cut short)."""
+        a step cut short). A part that fails stays pending, so ``abort()`` can still complete the copy."""
         with self.lock:
-            left, seen = self.pending, self.points
-            self.active, self.pending, self.marks = False, [], []
-            for part in left:
-                self.syncer._issue(part, self.syncer.overlap)
+            self.active = False
+            seen = self.points
+            self.marks = [0] * len(self.pending)
+            self._release("wait")
         if not learn:
             return
         self.expect = seen
@@ -73,20 +83,23 @@ class _Pace:
             warnings.warn(
                 f"ReferenceSyncer(slices={self.syncer.slices}): {seen} hook points between start() and wait() (calls "
                 f"of the policy's {self.leaves} leaf modules and their gradients), fewer than the slices, so the copy "
-                "goes in fewer parts; the policy's forward must run between start() and wait(), uncompiled",
-                RuntimeWarning, stacklevel=4)
+                "goes in fewer parts; the policy's forward must run between start() and wait(), eager (not compiled, "
+                "not captured in a CUDA graph)", RuntimeWarning, stacklevel=4)
 
     def tick(self) -> None:
         with self.lock:
-            if not self.active:
+            if not self.active or self.syncer is None:
                 return
             self.points += 1
-            self._release()
+            self._release("points")
 
-    def _release(self) -> None:
+    def _release(self, where: str) -> None:
+        syncer = self.syncer
         while self.pending and self.points >= self.marks[0]:
+            syncer._issue(self.pending[0], syncer.overlap)
+            self.pending.pop(0)  # only once issued: a part whose copy raised is still to do
             self.marks.pop(0)
-            self.syncer._issue(self.pending.pop(0), self.syncer.overlap)
+            self.issued[where] += 1
 
     # ---- hooks ------------------------------------------------------------------------------------------------
     def hook(self, policy: nn.Module) -> None:
@@ -103,13 +116,14 @@ class _Pace:
             self.handles = None
 
     def grad_hook(self, grad):
-        self.tick()
+        if not _traced():
+            self.tick()
 
 
 def _forward_hook(ref):
     def hook(module, args, output):
         pace = ref()
-        if pace is None or not pace.active:
+        if pace is None or not pace.active or _traced():
             return None
         pace.tick()
         if torch.is_grad_enabled():
@@ -118,6 +132,12 @@ def _forward_hook(ref):
                 t.register_hook(pace.grad_hook)
         return None
     return hook
+
+
+def _traced() -> bool:
+    """Inside ``torch.compile``'s tracing or a CUDA-graph capture: a point there would be baked into a graph (a copy
+    issued once at capture, or a graph break a leaf), so none is counted and the step warns with fewer points."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _grad_tensor(output):
