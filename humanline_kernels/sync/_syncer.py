@@ -59,7 +59,7 @@ class ReferenceSyncer:
             ``True`` (require it) or ``False`` (always ``_foreach_copy_``).
         slices: issue ``start()``'s copy in this many parts spread through the policy's forward and backward
             (hooks on its leaf modules; see the module docstring) instead of all at once. 1 (the default): at once.
-            For eager models: a hook inside a ``torch.compile``'d region breaks its graph.
+            Eager models only: a compiled or graph-captured policy counts no point, so its copy goes at once.
     """
 
     def __init__(self, policy: nn.Module, reference: nn.Module, every: int = 1, overlap: bool = True,
