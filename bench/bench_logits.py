@@ -117,6 +117,10 @@ def _impls(x, y, ref, quick, gif_programs=()):
         from quack.cross_entropy import cross_entropy as quack_ce
         impls["quack cross_entropy(none)"] = (lambda: grad(quack_ce(x.view(N, V), y.view(N), reduction="none"),
                                                            g.view(N)), 3)
+        # quack's one-pass form, the gradient written in the forward (dloss = 1 a row): target 2's bar
+        from quack.cross_entropy import cross_entropy_fwd as quack_fwd
+        impls["quack cross_entropy_fwd(return_dx)"] = (lambda: quack_fwd(x.view(N, V), y.view(N), return_dx=True),
+                                                        2)
     except Exception:
         pass
     return impls

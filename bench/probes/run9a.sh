@@ -10,6 +10,9 @@ R=/tmp/r9a; mkdir -p $R
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/ext
 pack() { tar czf $OUT/r9a.tgz -C /tmp r9a; }
+# quack's CUDA-13 libraries travel in two halves (bench/NOTES.md, "How the runs were made"): this call carries the
+# first (carry .whlq1), kept on the warm machine for run9b.sh
+mkdir -p /tmp/q && cp .whlq1/cu13.tar.xz.part00 /tmp/q/ 2>/dev/null || echo "no .whlq1: quack will not run in call B"
 trap pack EXIT
 nvidia-smi > $R/nvsmi.txt 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee $R/versions.txt
