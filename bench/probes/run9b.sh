@@ -13,7 +13,7 @@ nvidia-smi > $R/nvsmi.txt 2>&1
 run() { local name=$1 t=$2; shift 2; local t0=$SECONDS; timeout -k 5 $t "$@" > $R/$name.log 2>&1
   echo "=== $name rc=$? in $((SECONDS - t0)) s"; tail -n ${TAILN:-20} $R/$name.log; pack; }
 TAILN=14 run sync 100 python3 -m bench sync --skip copy fsdp2 --out $R
-TAILN=45 run e2e 200 python3 -m bench e2e --arms offline offline_ref sync sync_ce sync_paced lookahead --out $R
+TAILN=45 run e2e 220 python3 -m bench e2e --arms offline offline_ref sync sync_ce sync_paced lookahead --steps 25 --out $R
 # issue 53: quack (CuTe DSL) beside ours and Liger at target 2's vocabularies. Its CUDA-13 libraries (a 92 MB wheel,
 # over one call's carry) came as an xz tar in two halves: call A left the first in /tmp/q, this call carries the
 # second with the small wheels (carry .whlq2). A --target install processes no .pth, so the DSL's package
