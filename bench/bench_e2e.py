@@ -227,6 +227,7 @@ def _build(arm, a, device, dtype):
                 loss.backward()
                 syncer.wait()
             return finish(loss)
+        step.syncer = syncer  # run_arm reports where a paced sync's parts went
     elif arm == "lookahead":
         stream = (batches[i % N_BATCHES] for i in itertools.count())
         lookahead = hk().LookaheadReference(policy, stream, _fused_ref_logps, every=1)
@@ -303,8 +304,12 @@ def run_arm(arm, a, device, dtype):
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
         peak = None
-    return {"ms": statistics.median(times), "peak_GiB": peak, "held_GiB": held_gib,
-            "losses": [float(x) for x in losses]}
+    out = {"ms": statistics.median(times), "peak_GiB": peak, "held_GiB": held_gib,
+           "losses": [float(x) for x in losses]}
+    pace = getattr(getattr(step, "syncer", None), "_pace", None)
+    if pace is not None:  # the last step's parts: at start(), at points of the forward/backward, at wait()
+        out["parts"] = {**pace.issued, "points_a_step": pace.expect, "leaf_modules": pace.leaves}
+    return out
 
 
 def _free(device):
@@ -446,6 +451,7 @@ def main(argv=None):
             "untied lm_head, sdpa attention)", "config": {k: getattr(a, k) for k in FULL}, "arms": arms,
             "tokens_per_step": a.batch * a.seq, "target_x_offline": TARGET, "target_x_baseline": TARGET_REF,
             "baselines": {arm: BASELINE[arm] for arm in arms if arm in BASELINE}, "checks": checks,
+            "paced_parts": {arm: res[arm]["parts"] for arm in arms if "parts" in res[arm]},
             "noise": None if noise is None else {
                 "what": f"{' and '.join(repeats)} each run {NOISE_REPEATS + 1} times: the largest difference of "
                         f"one arm's step-{CHECK_STEP} losses; a check's tolerance is max(its own, {NOISE_FACTOR} x "
