@@ -87,15 +87,10 @@ class Driver:
         return launch
 
 
-def measure(drv, N, V, bw, do_bench, reference):
-    dev, inv_t, adv, rows = "cuda", 1 / 0.7, 0.8, []
-    torch.manual_seed(V)
-    x = torch.randn(N, V, device=dev, dtype=torch.bfloat16) * 3
-    y = torch.randint(0, V, (N,), device=dev, dtype=torch.int32)
-    r = torch.randn(N, device=dev) * 0.1 - 12
-    floor = 2 * N * V * 2 / bw
-    g_ref, lp_ref = reference(x, y, r, adv, inv_t)
-    out, logp = torch.empty_like(x), torch.empty(N, device=dev)
+def measure(drv, N, V, bw, do_bench):
+    from gif_split import ADV, INV_T, problem
+    inv_t, adv, rows = INV_T, ADV, []
+    x, y, r, floor, g_ref, lp_ref, out, logp = problem(N, V, bw)
     for cl, threads in CONFIGS:
         name = f"cluster CL={cl} threads={threads}"
         smem = V // cl * 2
@@ -138,7 +133,6 @@ def main(argv=None):
         p.error("needs OUT and a CUDA device (or --compile-only)")
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
-    from gif_split import reference
     from triton.testing import do_bench
 
     from bench import common
@@ -147,7 +141,7 @@ def main(argv=None):
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "N": a.tokens,
            "copy_bandwidth_TBps": bw * 1e3 / 1e12, "rows": []}
     for V in a.vocab:
-        res["rows"] += measure(drv, a.tokens, V, bw, do_bench, reference)
+        res["rows"] += measure(drv, a.tokens, V, bw, do_bench)
         torch.cuda.empty_cache()
         with open(os.path.join(a.out, "gif_cluster.json"), "w") as f:  # after each V: a run cut short keeps its rows
             json.dump(res, f, indent=1)

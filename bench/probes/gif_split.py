@@ -176,16 +176,25 @@ def compile_only(arch):
     return 0 if ok else 1
 
 
-def measure(N, V, bw, hk, do_bench):
-    """Every configuration at one V: rows for the JSON (ms, ratio to the 2-pass floor, errors against torch)."""
-    dev, inv_t, adv, rows = "cuda", 1 / 0.7, 0.8, []
+INV_T, ADV = 1 / 0.7, 0.8
+
+
+def problem(N, V, bw):
+    """The probes' inputs at one V (seeded), the 2-pass floor in ms, torch's answer, and the output buffers:
+    ``(x, y, r, floor, g_ref, lp_ref, out, logp)`` (shared with gif_cluster.py)."""
+    dev = "cuda"
     torch.manual_seed(V)
     x = torch.randn(N, V, device=dev, dtype=torch.bfloat16) * 3
     y = torch.randint(0, V, (N,), device=dev, dtype=torch.int32)
     r = torch.randn(N, device=dev) * 0.1 - 12
-    floor = 2 * N * V * 2 / bw
-    g_ref, lp_ref = reference(x, y, r, adv, inv_t)
-    out, logp = torch.empty_like(x), torch.empty(N, device=dev)
+    g_ref, lp_ref = reference(x, y, r, ADV, INV_T)
+    return x, y, r, 2 * N * V * 2 / bw, g_ref, lp_ref, torch.empty_like(x), torch.empty(N, device=dev)
+
+
+def measure(N, V, bw, hk, do_bench):
+    """Every configuration at one V: rows for the JSON (ms, ratio to the 2-pass floor, errors against torch)."""
+    dev, inv_t, adv, rows = "cuda", INV_T, ADV, []
+    x, y, r, floor, g_ref, lp_ref, out, logp = problem(N, V, bw)
 
     def row(name, ms, err=None, **kw):
         d = {"V": V, "impl": name, "ms": ms, "floor2_ms": floor, "ratio_2pass": ms / floor, **kw}
