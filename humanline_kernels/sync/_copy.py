@@ -96,6 +96,9 @@ class CopyPlan:
         pairs = [(d, s) for ds, ss in self.groups.values() for d, s in zip(ds, ss)]
         total = sum(_nbytes(d, s) for d, s in pairs)
         parts: list[tuple[list, list]] = [([], []) for _ in range(n)]
+
+        def share_end(k):  # bytes assigned when part k is full (rounded up)
+            return -(-(k + 1) * total // n)
         k, done = 0, 0  # the part being filled, bytes assigned so far
         for d, s in pairs:
             per = d.element_size() + s.element_size()
@@ -104,7 +107,7 @@ class CopyPlan:
             while a < numel:
                 b = numel
                 if k < n - 1 and flat:
-                    room = -(-(k + 1) * total // n) - done  # bytes left in part k's share (rounded up)
+                    room = share_end(k) - done  # bytes left in part k's share
                     take = round(room / per / _CUT) * _CUT
                     if take <= 0:  # the share is full to within half a cut: go on to the next part
                         k += 1
@@ -118,7 +121,7 @@ class CopyPlan:
                     parts[k][1].append(s.view(-1)[a:b])
                 done += (b - a) * per
                 a = b
-                while k < n - 1 and done >= -(-(k + 1) * total // n):  # a whole pair may fill several shares
+                while k < n - 1 and done >= share_end(k):  # a whole pair may fill several shares
                     k += 1
         return [CopyPlan(ds, ss, use_kernel=self.use_kernel) for ds, ss in parts]
 

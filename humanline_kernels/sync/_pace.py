@@ -38,7 +38,8 @@ class _Pace:
         self._finalizer = None
         self.leaves = 0
         self.pending: list = []  # parts not yet issued, in order
-        self.marks: list[int] = []  # the point at which each pending part is issued
+        self.n = 1  # parts this step: part k is due at point k * spacing // n
+        self.spacing = 0  # the points this step is expected to have
         self.active = False  # between begin() and end(): the hooks count points
         self.points = 0  # points seen since begin()
         self.expect: int | None = None  # points the previous paced step saw
@@ -54,16 +55,14 @@ class _Pace:
         """At ``start()``: issue part 0 (and any part due at point 0) and schedule the rest."""
         if self.handles is None:
             self.hook(self.syncer.policy)
-        n = len(parts)
-        expect = self.expect if self.expect is not None else 2 * self.leaves
         with self.lock:
             self.points, self.issued = 0, {"start": 0, "points": 0, "wait": 0}
-            self.pending = list(parts)
-            self.marks = [k * expect // n for k in range(n)]
+            self.pending, self.n = list(parts), len(parts)
+            self.spacing = self.expect if self.expect is not None else 2 * self.leaves
             try:
                 self._release("start")
             except BaseException:  # nothing armed when start() fails: a later step must not issue stale parts
-                self.pending, self.marks = [], []
+                self.pending = []
                 raise
             self.active = True
 
@@ -73,8 +72,7 @@ class _Pace:
         with self.lock:
             self.active = False
             seen = self.points
-            self.marks = [0] * len(self.pending)
-            self._release("wait")
+            self._release("wait", every=True)
         if not learn:
             return
         self.expect = seen
@@ -93,12 +91,12 @@ class _Pace:
             self.points += 1
             self._release("points")
 
-    def _release(self, where: str) -> None:
+    def _release(self, where: str, every: bool = False) -> None:
+        """Issue the pending parts that are due (``every``: all of them)."""
         syncer = self.syncer
-        while self.pending and self.points >= self.marks[0]:
+        while self.pending and (every or self.points >= (self.n - len(self.pending)) * self.spacing // self.n):
             syncer._issue(self.pending[0], syncer.overlap)
             self.pending.pop(0)  # only once issued: a part whose copy raised is still to do
-            self.marks.pop(0)
             self.issued[where] += 1
 
     # ---- hooks ------------------------------------------------------------------------------------------------

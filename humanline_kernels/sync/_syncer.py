@@ -15,13 +15,9 @@ between the two may change them (BatchNorm running stats) or free and reuse thei
 policy held gathered at ``start()``): copying them concurrently would race, and after the forward they are what
 the policy holds at the step.
 
-With ``slices`` > 1 the parameter copy of ``start()`` is cut into that many parts of about equal bytes: the first
-is issued at ``start()``, the others at points spread through the policy's forward and backward (forward hooks on
-its leaf modules, and hooks on their outputs' gradients), each on the side stream after an event recorded on the
-stream computing at that point, and whatever is left at ``wait()``. Where the points fall is learned: the first
-step assumes two per leaf module (one forward, one backward), later steps space the parts by the count the step
-before saw. The copy is the same; only when its bytes reach the memory system changes (issue 54, target 3: run 8's
-pace probe, a copy in 15 slices beside a GEMM chain cost about half of one issued at once).
+With ``slices`` > 1 the parameter copy of ``start()`` goes in that many parts through the policy's forward and
+backward instead of at once (:mod:`._pace` says how and why); the copy is the same, only when its bytes reach the
+memory system changes.
 """
 from __future__ import annotations
 
