@@ -37,8 +37,7 @@ class _Pace:
         self.handles: list | None = None  # the forward hooks on the policy's leaf modules
         self._finalizer = None
         self.leaves = 0
-        self.pending: list = []  # parts not yet issued, in order
-        self.n = 1  # parts this step: part k is due at point k * spacing // n
+        self.pending: list = []  # parts not yet issued, in order: part k is due at point k * spacing // slices
         self.spacing = 0  # the points this step is expected to have
         self.active = False  # between begin() and end(): the hooks count points
         self.points = 0  # points seen since begin()
@@ -57,7 +56,7 @@ class _Pace:
             self.hook(self.syncer.policy)
         with self.lock:
             self.points, self.issued = 0, {"start": 0, "points": 0, "wait": 0}
-            self.pending, self.n = list(parts), len(parts)
+            self.pending = list(parts)
             self.spacing = self.expect if self.expect is not None else 2 * self.leaves
             try:
                 self._release("start")
@@ -94,7 +93,8 @@ class _Pace:
     def _release(self, where: str, every: bool = False) -> None:
         """Issue the pending parts that are due (``every``: all of them)."""
         syncer = self.syncer
-        while self.pending and (every or self.points >= (self.n - len(self.pending)) * self.spacing // self.n):
+        n = syncer.slices  # CopyPlan.split(slices) made the parts
+        while self.pending and (every or self.points >= (n - len(self.pending)) * self.spacing // n):
             syncer._issue(self.pending[0], syncer.overlap)
             self.pending.pop(0)  # only once issued: a part whose copy raised is still to do
             self.issued[where] += 1

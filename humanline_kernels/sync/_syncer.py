@@ -236,10 +236,9 @@ class ReferenceSyncer:
         streams."""
         with torch.no_grad():
             by_dev = plan.devices()
-            if side and any(d.type == "cuda" for d in by_dev):
-                for d in by_dev:
-                    if d.type != "cuda":
-                        continue
+            cuda_devs = [d for d in by_dev if d.type == "cuda"]
+            if side and cuda_devs:
+                for d in cuda_devs:
                     stream = self._streams.get(d)
                     if stream is None:
                         stream = self._streams[d] = torch.cuda.Stream(device=d)
