@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ import sys
 import tempfile
 
 import torch
+from gif_split import ADV, INV_T, failed, problem, sweep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -40,6 +40,7 @@ def nvcc():
 
 
 def build(out_dir, verbose=False):
+    """nvcc: ``gif_cluster.cu`` into ``OUT/gif_cluster.cubin``; returns its path and ptxas' report (``-v``)."""
     cubin = os.path.join(out_dir, "gif_cluster.cubin")
     cmd = [nvcc(), "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", "-Xptxas", "-v", SRC, "-o", cubin]
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -47,7 +48,7 @@ def build(out_dir, verbose=False):
         print(p.stdout + p.stderr, flush=True)
     if p.returncode:
         raise RuntimeError("nvcc failed")
-    return cubin
+    return cubin, p.stdout + p.stderr
 
 
 class Driver:
@@ -88,7 +89,6 @@ class Driver:
 
 
 def measure(drv, N, V, bw, do_bench):
-    from gif_split import ADV, INV_T, problem
     inv_t, adv, rows = INV_T, ADV, []
     x, y, r, floor, g_ref, lp_ref, out, logp = problem(N, V, bw)
     for cl, threads in CONFIGS:
@@ -113,8 +113,7 @@ def measure(drv, N, V, bw, do_bench):
             print(f"V={V:6d} {name:30s} {ms:7.3f} ms  {ms / floor:5.3f}x 2-pass floor  err grad {err[0]:.2e} "
                   f"(of {rows[-1]['max_abs_grad']:.2e}) logp {err[1]:.2e}", flush=True)
         except Exception as ex:  # report every configuration
-            rows.append({"V": V, "impl": name, "error": f"{type(ex).__name__}: {str(ex)[:200]}"})
-            print(f"V={V:6d} {name}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+            rows.append(failed(V, name, ex))
     return rows
 
 
@@ -132,20 +131,10 @@ def main(argv=None):
     if a.out is None or not torch.cuda.is_available():
         p.error("needs OUT and a CUDA device (or --compile-only)")
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, HERE)
     from triton.testing import do_bench
 
-    from bench import common
-    drv = Driver(build(a.out))
-    bw = common.copy_bandwidth_bytes_per_ms(device="cuda")
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "N": a.tokens,
-           "copy_bandwidth_TBps": bw * 1e3 / 1e12, "rows": []}
-    for V in a.vocab:
-        res["rows"] += measure(drv, a.tokens, V, bw, do_bench)
-        torch.cuda.empty_cache()
-        with open(os.path.join(a.out, "gif_cluster.json"), "w") as f:  # after each V: a run cut short keeps its rows
-            json.dump(res, f, indent=1)
-    return 0
+    drv = Driver(build(a.out)[0])
+    return sweep(a.out, "gif_cluster.json", a.tokens, a.vocab, lambda V, bw: measure(drv, a.tokens, V, bw, do_bench))
 
 
 if __name__ == "__main__":

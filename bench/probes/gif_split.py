@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-SPIN_LIMIT = 1 << 22
+SPIN_LIMIT = tl.constexpr(1 << 22)  # polls before a program gives up
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -61,7 +61,7 @@ def _split_kernel(x_ptr, y_ptr, r_ptr, adv, out_ptr, logp_ptr, ws_ptr, cnt_ptr, 
     tl.atomic_add(cnt_ptr + row, 1, sem="release")
     n = tl.atomic_add(cnt_ptr + row, 0, sem="acquire")
     polls = 0
-    while (n < target) & (polls < 4194304):  # SPIN_LIMIT
+    while (n < target) & (polls < SPIN_LIMIT):
         n = tl.atomic_add(cnt_ptr + row, 0, sem="acquire")
         polls += 1
     tl.debug_barrier()
@@ -225,8 +225,7 @@ def measure(N, V, bw, hk, do_bench):
             ms = do_bench(launch, warmup=25, rep=100, return_mode="median")
             row(name, ms, e, C=C, spin_timeouts_first=first, spin_timeouts_all=int(err.item()), launches=gen[0] - 1)
         except Exception as ex:  # report every configuration
-            rows.append({"V": V, "impl": name, "error": f"{type(ex).__name__}: {str(ex)[:200]}"})
-            print(f"V={V} {name}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+            rows.append(failed(V, name, ex))
     out.zero_()
     two_sweep(x, y, r, adv, inv_t, out, logp)
     torch.cuda.synchronize()
@@ -244,6 +243,29 @@ def measure(N, V, bw, hk, do_bench):
     return rows
 
 
+def failed(V, name, ex):
+    """The row of a configuration that raised, printed as it goes (both probes report every configuration)."""
+    msg = f"{type(ex).__name__}: {str(ex)[:200]}"
+    print(f"V={V:6d} {name}: {msg}", flush=True)
+    return {"V": V, "impl": name, "error": msg}
+
+
+def sweep(out, fname, tokens, vocab, measure, **meta):
+    """Both probes' run: ``measure(V, bw)``'s rows at each V, written to ``OUT/fname`` after each V (a run cut short
+    keeps its rows), with the GPU, the versions and the bandwidth of a 1 GiB ``copy_`` measured in the same run (the
+    floors' rate)."""
+    from bench import common
+    bw = common.copy_bandwidth_bytes_per_ms(device="cuda")
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **meta, "N": tokens,
+           "copy_bandwidth_TBps": bw * 1e3 / 1e12, "rows": []}
+    for V in vocab:
+        res["rows"] += measure(V, bw)
+        torch.cuda.empty_cache()
+        with open(os.path.join(out, fname), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gif_split.py", description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", default=None)
@@ -259,17 +281,8 @@ def main(argv=None):
     from triton.testing import do_bench
 
     import humanline_kernels as hk
-    from bench import common
-    dev, N = "cuda", a.tokens
-    bw = common.copy_bandwidth_bytes_per_ms(device=dev)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "N": N,
-           "copy_bandwidth_TBps": bw * 1e3 / 1e12, "rows": []}
-    for V in a.vocab:
-        res["rows"] += measure(N, V, bw, hk, do_bench)
-        torch.cuda.empty_cache()
-        with open(os.path.join(a.out, "gif_split.json"), "w") as f:  # after each V: a run cut short keeps its rows
-            json.dump(res, f, indent=1)
-    return 0
+    return sweep(a.out, "gif_split.json", a.tokens, a.vocab, lambda V, bw: measure(a.tokens, V, bw, hk, do_bench),
+                 triton=triton.__version__)
 
 
 if __name__ == "__main__":
