@@ -5,19 +5,11 @@
 # fused rows again under the old budget, HK_FOLD_ROW_WARPS_PER_SM=4),
 # and the sync's GPU tests with slices. Results under $OUT/r9a.tgz; canonical names (logits.json at the top) so that
 # `python -m bench report` finds them once unpacked into bench/results/<date>-<card>-run9/.
-set -u
-R=/tmp/r9a; mkdir -p $R
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/ext
-pack() { tar czf $OUT/r9a.tgz -C /tmp r9a; }
+. bench/probes/call.sh r9a
 # quack's CUDA-13 libraries travel in two halves (bench/NOTES.md, "How the runs were made"): this call carries the
 # first (carry .whlq1), kept on the warm machine for run9b.sh
 mkdir -p /tmp/q && cp .whlq1/cu13.tar.xz.part00 /tmp/q/ 2>/dev/null || echo "no .whlq1: quack will not run in call B"
-trap pack EXIT
-nvidia-smi > $R/nvsmi.txt 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee $R/versions.txt
-run() { local name=$1 t=$2; shift 2; local t0=$SECONDS; timeout -k 5 $t "$@" > $R/$name.log 2>&1
-  echo "=== $name rc=$? in $((SECONDS - t0)) s"; tail -n ${TAILN:-20} $R/$name.log; pack; }
 TAILN=40 run gif_split 180 python3 bench/probes/gif_split.py $R
 TAILN=30 run gif_cluster 90 python3 bench/probes/gif_cluster.py $R
 TAILN=60 run logits 130 python3 -m bench logits --vocab 128256 151936 32000 --out $R
