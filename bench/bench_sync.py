@@ -103,10 +103,10 @@ def bench_overlap(device, scale, gemms, slices=15):
         for _ in range(gemms):
             torch.mm(a, b)
 
-    def with_sync(s):
+    def with_sync(s, fwd=work):
         def step():
             s.start()
-            work()
+            fwd()
             s.wait()
         return step
 
@@ -132,11 +132,7 @@ def bench_overlap(device, scale, gemms, slices=15):
     for name, engine in [(f"GEMMs + overlapped bf16 sync (copy engines, batched, {slices} slices)", True),
                          (f"GEMMs + overlapped bf16 sync (kernel, {slices} slices)", False)]:
         syncer = hk.ReferenceSyncer(paced_pol, paced_ref, slices=slices)
-
-        def step(syncer=syncer):
-            syncer.start()
-            paced_pol()
-            syncer.wait()
+        step = with_sync(syncer, paced_pol)
         with mock.patch.object(_copy, "COPY_ENGINE", engine):
             step()
             if engine:

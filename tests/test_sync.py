@@ -189,6 +189,11 @@ def test_bench_sync_quick_runs(tmp_path):
     assert bench_sync.main(["--quick", "--out", str(tmp_path)]) == 0
     copy = json.load(open(tmp_path / "sync_copy.json"))
     assert len(copy["rows"]) == 9 and all(r["tensors"] == 290 and r["ratio_to_copy_bw"] > 0 for r in copy["rows"])
+    overlap = json.load(open(tmp_path / "sync_overlap.json"))
+    paced = [r for r in overlap["rows"] if "parts" in r]
+    # --quick: 2 GEMMs (2 forward points, no gradients) and 3 parts, due at points 0, 0 and 1 once learned
+    assert overlap["meta"]["slices"] == 3 and len(paced) == 2
+    assert all(r["parts"] == {"start": 2, "points": 1, "wait": 0} for r in paced), paced
     fsdp2 = json.load(open(tmp_path / "sync_fsdp2.json"))
     # our sync vs the state_dict way: a ratio of two measured sync times (not of a possibly ~0 added time)
     assert math.isfinite(fsdp2["meta"]["state_dict_over_ours"]) and fsdp2["meta"]["state_dict_over_ours"] > 1
