@@ -1,5 +1,5 @@
 #!/bin/bash
-# Run 9, first call (prepared 2026-11-28 without a GPU; bench/NOTES.md "Run 9, prepared without a GPU"), ~400 s
+# Run 9, first call (prepared 2026-11-28 without a GPU; bench/NOTES.md "Run 9, prepared without a GPU"), ~310 s
 # estimated on either card: issue 53 target 2 (gif_split.py: the row split over a group of programs; gif_cluster.py:
 # the row held by a thread-block cluster), target 1 (the fold's register budget: bench logits at three V, then the
 # fused rows again under the old budget, HK_FOLD_ROW_WARPS_PER_SM=4),

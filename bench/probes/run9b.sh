@@ -1,8 +1,8 @@
 #!/bin/bash
-# Run 9, second call (bench/NOTES.md "Run 9, prepared without a GPU"), ~330 s estimated, on the same warm machine
-# as call A: issue 54 target 3, the sync paced through the step (ReferenceSyncer(slices=...)): bench sync's overlap
-# rows (the paced rows beside the at-once ones) and e2e with the sync_paced arm (canonical names: sync_overlap.json,
-# e2e.json); then issue 53's quack rows (carry .whl and .whlq2).
+# Run 9, second call (bench/NOTES.md "Run 9, prepared without a GPU"), ~330 s estimated (~200 s without quack), on
+# the same warm machine as call A: issue 54 target 3, the sync paced through the step (ReferenceSyncer(slices=...)):
+# bench sync's overlap rows (the paced rows beside the at-once ones) and e2e with the sync_paced arm (canonical
+# names: sync_overlap.json, e2e.json); then issue 53's quack rows (carry .whl and .whlq2).
 . bench/probes/call.sh r9b
 TAILN=14 run sync 100 python3 -m bench sync --skip copy fsdp2 --out $R
 TAILN=45 run e2e 220 python3 -m bench e2e --arms offline offline_ref sync sync_ce sync_paced lookahead --steps 25 --out $R
