@@ -35,6 +35,14 @@ def _entry(rank, fn, world_size, port, args, gpu=False):
     os._exit(0)
 
 
+def check_paced(syncer, slices, tag) -> None:
+    """With ``slices`` > 1: the copy went in parts through the step (the hooks saw the wrapped model's leaf modules,
+    and no part waited for ``wait()``)."""
+    if slices > 1:
+        assert syncer._pace.expect and syncer._pace.expect >= slices - 1, tag
+        assert syncer._pace.issued["points"] > 0 and syncer._pace.issued["wait"] == 0, (tag, syncer._pace.issued)
+
+
 def run(fn, *args, world_size: int = 2) -> None:
     """Run ``fn`` on ``world_size`` spawned ranks; an exception on any rank fails the caller with its traceback."""
     mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
