@@ -167,10 +167,7 @@ class ReferenceSyncer:
                 self._finish_started()
             else:
                 self._launch(side=False)
-            with torch.no_grad():
-                plan = self._plan(late=True)
-                for d in plan.devices():
-                    plan.run(d)
+            self._copy_late()
         self._started = False
         self._step += 1
         return synced
@@ -195,10 +192,7 @@ class ReferenceSyncer:
         if not self._started:
             return False
         self._finish_started(learn=False)
-        with torch.no_grad():  # the late pairs (buffers, ZeRO-3 gathered data) too: the reference is wholly θ_t
-            plan = self._plan(late=True)
-            for d in plan.devices():
-                plan.run(d)
+        self._copy_late()  # the late pairs too: the reference is wholly θ_t
         self._started = False
         self._aborted = True
         return True
@@ -208,10 +202,7 @@ class ReferenceSyncer:
         resume without saved reference weights starts (``save_reference=False``)."""
         self._check_between_steps("copy_now()")
         self._launch(side=False)
-        with torch.no_grad():
-            plan = self._plan(late=True)
-            for d in plan.devices():
-                plan.run(d)
+        self._copy_late()
 
     def _check_between_steps(self, what):
         if self._started:
@@ -229,6 +220,14 @@ class ReferenceSyncer:
     # ---- internals -------------------------------------------------------------------------------------------
     def _launch(self, side: bool) -> None:
         self._issue(self._plan(late=False), side)
+
+    def _copy_late(self) -> None:
+        """Copy the late pairs (buffers, ZeRO-3 gathered data) on the current streams: in ``wait()``, ``abort()`` and
+        ``copy_now()``, after the early copy (not through :meth:`_issue`, which runs the early copy or its parts)."""
+        with torch.no_grad():
+            plan = self._plan(late=True)
+            for d in plan.devices():
+                plan.run(d)
 
     def _issue(self, plan: CopyPlan, side: bool) -> None:
         """Run ``plan``: with ``side``, each CUDA device's groups on its side stream after what the device's current
