@@ -108,9 +108,17 @@ def test_paced_parts_wait_for_the_compute_at_their_point():
         done.append(syncer._done[torch.device("cuda", torch.cuda.current_device())])
     syncer._issue = issue
     with torch.cuda.stream(compute):
-        syncer.start()  # step 0 learns the points: 13 leaves, 26 points; parts at 0, 6, 13 and 19
-        pol(x).square().mean().backward()
-        syncer.wait()
+        # Two warm-up steps with the slow step's kernels, a short sleep and the gradients' accumulation included:
+        # under CUDA's lazy loading (the default) a kernel's first launch may synchronize the context (CUDA
+        # Programming Guide, "Lazy Loading"), which held the host until the long sleep ended and every part with
+        # it (run 9, H200: the first accumulation in the backward stalled the host ~0.5 s; bench/probes/pace_order.py).
+        # Step 0 also learns the points: 13 leaves, 26 points; parts at 0, 6, 13 and 19.
+        h = pol[3].register_forward_pre_hook(lambda m, a: torch.cuda._sleep(1000))
+        for _ in range(2):
+            syncer.start()
+            pol(x).square().mean().backward()
+            syncer.wait()
+        h.remove()
         streams.clear()
         done.clear()
         # block 3's first leaf is point 7: part 1 (point 6) is before the slow kernel, parts 2 and 3 after it
