@@ -65,9 +65,9 @@ def _plot(run, name, alt):
 
 
 # --------------------------------------------------------------------------------------------------- sections
-def _logits(d, run):
-    m, rows = d["meta"], d["rows"]
-    vocabs = list(dict.fromkeys(r["V"] for r in rows))
+def _logits_table(d):
+    rows = d["rows"]
+    vocabs = sorted({r["V"] for r in rows})
     top = vocabs[-1]
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     at = {(r["impl"], r["V"]): r for r in rows}
@@ -86,12 +86,22 @@ def _logits(d, run):
         name = f"`{impl}`" + (" (2-pass floor)" if at[(impl, vocabs[0])]["floor_passes"] == 2 else "")
         body.append([name, *cells, "" if peak is None else f"{peak:.0f}"])
     head = ["impl", *[f"V = {v}" for v in vocabs], f"peak extra MiB (V = {top})"]
-    return (f"**Logits path** ({_where(d['env'], run)}): N = {m['N']} tokens, {m['dtype']}, forward + backward; "
+    return _table(head, body)
+
+
+def _logits(d, run):
+    m = d["meta"]
+    text = (f"**Logits path** ({_where(d['env'], run)}): N = {m['N']} tokens, {m['dtype']}, forward + backward; "
             f"median time and its ratio to the 3-pass floor (the logits read in the forward, read and written in the "
             f"backward, at the copy bandwidth measured in the same run, {m['copy_bandwidth_TBps']:.2f} TB/s; rows "
             f"that form the gradient in the forward against the 2-pass floor); peak memory beyond the inputs, the "
-            f"gradient of the logits included.\n\n{_table(head, body)}"
-            + _plot(run, "logits", "logits path: ratio to the floor by vocabulary"))
+            f"gradient of the logits included.\n\n{_logits_table(d)}")
+    q = _load(run, os.path.join("quack", "logits.json"))  # quack's rows: a call of their own (its wheels' carry)
+    if q is not None:
+        text += (f"\n\nquack beside ours and Liger, measured in a second call on the same machine with its own floors "
+                 f"({_where(q['env'], run + '/quack')}; copy bandwidth {q['meta']['copy_bandwidth_TBps']:.2f} TB/s):"
+                 f"\n\n{_logits_table(q)}")
+    return text + _plot(run, "logits", "logits path: ratio to the floor by vocabulary")
 
 
 def _linear(d, run):
@@ -237,14 +247,28 @@ def render(runs):
             if any(found.values()):
                 parts.append(fmt(found, None))
                 continue
-        for run in runs:
+        for k, run in enumerate(runs):
             d = _find(run, files)
             if d is not None:
                 parts.append(fmt(d, run))
+                if title == "end to end":  # arms the newest run left out (the TRL arms) from the newest that has them
+                    parts += _older_e2e(d, runs[k + 1:])
                 break
         else:
             parts.append(f"**{title[0].upper() + title[1:]}**: not measured in {', '.join(f'`{r}`' for r in runs)}.")
     return "\n\n".join(_wrap(p) for p in parts if p)
+
+
+def _older_e2e(newest, older):
+    """The e2e tables of older runs, newest first, each for the arms that no newer run shown has measured."""
+    seen, out = {r["arm"] for r in newest["rows"]}, []
+    for run in older:
+        d = _find(run, ("e2e.json",))
+        if d is not None and {r["arm"] for r in d["rows"]} - seen:
+            out.append("An earlier run with arms the one above lacks (its whole table, its own baselines):\n\n"
+                       + _e2e(d, run))
+            seen |= {r["arm"] for r in d["rows"]}
+    return out
 
 
 def _wrap(text):

@@ -39,6 +39,21 @@ def test_benchmarks_section_is_the_reports_output_for_the_runs_it_names():
         f"README's Benchmarks section is not what `python -m bench report {runs}` writes: run `{REGENERATE}`")
 
 
+def test_report_adds_quack_and_the_arms_the_newest_e2e_lacks():
+    """Run 9 (H200) ran quack in a call of its own (``quack/logits.json``) and no TRL arm: its logits section holds
+    quack's table beside the main one, vocabularies in ascending order, and its e2e section is followed by run 6's
+    (H100), which has the TRL arms; run 6 alone shows one e2e table and no quack table."""
+    nine, six = "bench/results/2026-11-28-h200-run9", "bench/results/2026-11-27-h100-run6"
+    both = report.render([nine, six])
+    assert "`quack cross_entropy_fwd(return_dx)`" in both and f"`{nine}/quack`" in both
+    head = next(line for line in both.splitlines() if line.startswith("| impl | V = 32000"))
+    assert head.index("128256") < head.index("151936")
+    assert both.count("**End to end**") == 2 and "`trl_dpo`" in both and "`sync_paced`" in both
+    assert both.index(f"`{nine}`): one DPO") < both.index(f"`{six}`): one DPO")
+    alone = report.render([six])
+    assert alone.count("**End to end**") == 1 and "quack beside" not in alone
+
+
 def test_demo_table_is_written_from_its_record():
     from humanline_kernels import demo
     path, content = _block("demo-table")
