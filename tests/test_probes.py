@@ -69,3 +69,20 @@ def test_cluster_probe_builds_for_sm90a_without_spills(tmp_path):
     for cl, threads in gif_cluster.CONFIGS:  # every configuration the probe launches is in the cubin
         assert f"gif_cluster_{cl}_{threads}" in log
     assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(gif_cluster.CONFIGS), log
+
+
+def test_e2e_gap_quick_takes_each_difference_away(monkeypatch, capsys):
+    """e2e_gap.py (prepared for the next GPU run) on the CPU smoke size: every variant runs, the copy taken away
+    leaves the reference at theta_0 (sync_ce-copy's step-2 loss is offline_ref's, sync_ce's is not), and the
+    reference-forward timing runs on both sets of weights."""
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the harness is under test, not the kernels: the eager paths
+    import e2e_gap
+    res = e2e_gap.main(["--quick", "--steps", "1"])
+    assert set(res["ms"]) == {"offline_ref", "offline_ref+clip", "lookahead", "lookahead-clip", "sync_ce",
+                              "sync_ce-copy", "offline_ref (again)"}
+    assert res["loss"]["sync_ce-copy"] == res["loss"]["offline_ref"] == res["loss"]["offline_ref (again)"]
+    assert res["loss"]["sync_ce"] != res["loss"]["offline_ref"]
+    assert res["loss"]["lookahead"] == pytest.approx(res["loss"]["sync_ce"], abs=1e-5)
+    assert set(res["reference_forward_ms"]) == {"theta_0", "trained", "theta_0 again"}
+    assert "reference forward ms by weights" in capsys.readouterr().out

@@ -1,0 +1,104 @@
+"""After run 9 (H200): every humanline e2e arm was 1.027-1.035x offline_ref, lookahead (which copies nothing) 1.028x,
+while the lm_head's clip costs nothing alone (clip_cost.py: 0.987x) and run 8's H100 had lookahead at 1.005x. Which
+difference between the arms costs the ~5 ms? bench e2e's arms at its full size, each also with one difference
+taken away or added (the clip forced on or off in the loss; the sync's start/wait made no-ops), in one process,
+offline_ref first and last (the order's effect). Then one more difference that the arms carry: offline_ref's
+reference forward runs on theta_0, the humanline arms' on trained weights (lr 1e-3 moves them by far more than the
+init's spread), and the H200's GEMMs are power-bound, so their speed can depend on the data: the reference forward
+timed on theta_0, on the policy after the arm's steps, and on theta_0 again. ``--quick``: the CPU smoke run (times
+mean nothing). Prints one line an arm and a JSON line of median ms."""
+import argparse
+import json
+import time
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from bench import bench_e2e as E
+from bench import common
+
+VARIANTS = ("offline_ref", "offline_ref+clip", "lookahead", "lookahead-clip", "sync_ce", "sync_ce-copy",
+            "offline_ref")
+
+
+def run(name, a, device, dtype):
+    import humanline_kernels as hk
+    arm, _, change = name.partition("+") if "+" in name else name.partition("-")
+    patches = []
+    orig = E._fused_loss
+    if change == "clip" and "+" in name:  # the clip on in an arm that has none
+        patches.append(mock.patch.object(E, "_fused_loss", lambda m, b, r, c: orig(m, b, r, hk.HumanlineClip())))
+    elif change == "clip":  # the clip off in a humanline arm
+        patches.append(mock.patch.object(E, "_fused_loss", lambda m, b, r, c: orig(m, b, r, None)))
+    elif change == "copy":  # the syncer's copy taken away: start() and wait() do nothing
+        patches += [mock.patch.object(hk.ReferenceSyncer, "start", lambda self: True),
+                    mock.patch.object(hk.ReferenceSyncer, "wait", lambda self: None)]
+    for p in patches:
+        p.start()
+    try:
+        return E.run_arm(arm, a, device, dtype)
+    finally:
+        for p in patches:
+            p.stop()
+        E._free(device)
+
+
+def ref_forward_by_weights(a, device, dtype, reps=20):
+    """Median ms of ``_fused_ref_logps`` (no grad) on theta_0, on the policy after warmup + steps offline DPO steps,
+    and on theta_0 again."""
+    policy = E._policy(a, device, dtype)
+    frozen0 = E._frozen_copy(policy)
+    batch = E._batches(a, device)[0]
+
+    def timed(model):
+        ms = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                E._fused_ref_logps(model, batch)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return round(sorted(ms)[len(ms) // 2], 3)
+
+    first = timed(frozen0)
+    with mock.patch.object(E, "_policy", lambda *args, **kw: policy):
+        step, _, _ = E._build("offline", a, device, dtype)
+        for i in range(a.warmup + a.steps):
+            step(i)
+    trained = E._frozen_copy(policy)
+    return {"theta_0": first, "trained": timed(trained), "theta_0 again": timed(frozen0)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
+    p.add_argument("--steps", type=int, default=25, help="timed steps an arm (default 25)")
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error(f"--steps must be >= 1, got {a.steps}")
+    if not a.quick and not torch.cuda.is_available():
+        p.error("the full size needs a CUDA device; --quick is the CPU smoke run")
+    cfg = dict(E.QUICK if a.quick else E.FULL, steps=a.steps, slices=16, supervised=False)
+    E.torch, E.common = torch, common  # bench e2e's main() sets these after reading its flags
+    device, dtype = ("cpu", torch.float32) if a.quick else ("cuda", torch.bfloat16)
+    out, loss = {}, {}
+    for k, name in enumerate(VARIANTS):
+        t0 = time.time()
+        r = run(name, SimpleNamespace(**cfg), device, dtype)
+        key = name if name not in out else f"{name} (again)"
+        out[key] = round(r["ms"], 2)
+        loss[key] = r["losses"][E.CHECK_STEP]
+        print(f"[{k + 1}/{len(VARIANTS)}] {key}: {r['ms']:.4g} ms/step, step-2 loss {r['losses'][E.CHECK_STEP]:.6g} "
+              f"({time.time() - t0:.1f} s)", flush=True)
+    base = out["offline_ref"]
+    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "ms": out,
+                      "x_offline_ref": {k: round(v / base, 4) for k, v in out.items()}}), flush=True)
+    ref = ref_forward_by_weights(SimpleNamespace(**cfg), device, dtype)
+    print(json.dumps({"reference forward ms by weights": ref}), flush=True)
+    return {"ms": out, "loss": loss, "reference_forward_ms": ref}
+
+
+if __name__ == "__main__":
+    main()
