@@ -15,8 +15,9 @@ are issued together.
 
 Why: a copy beside compute-bound GEMMs costs them most of the copy's own time, whoever copies (run 8's clock probe:
 78-87 %, the memory system's); issued in 15 slices through a GEMM chain it cost about half (run 8's pace probe:
-+0.81 % against +1.76 % at once on an H100, +1.12 % against +1.96 % on an H200). ``bench sync`` and ``bench e2e``
-time it (their ``paced`` rows and arm).
++0.81 % against +1.76 % at once on an H100, +1.12 % against +1.96 % on an H200). Through the policy's hooks it
+did not pay on an H200 (run 9: ``bench sync`` +1.08 % against +0.97 % at once, ``bench e2e`` 195.2 against 194.7 ms
+a step; docs/sync.md), so ``slices`` stays 1 by default.
 """
 from __future__ import annotations
 
