@@ -252,18 +252,18 @@ def render(runs):
             if d is not None:
                 parts.append(fmt(d, run))
                 if title == "end to end":  # arms the newest run left out (the TRL arms) from the newest that has them
-                    parts += _older_e2e(d, runs[k + 1:])
+                    parts += _older_e2e(d, runs[k + 1:], files)
                 break
         else:
             parts.append(f"**{title[0].upper() + title[1:]}**: not measured in {', '.join(f'`{r}`' for r in runs)}.")
     return "\n\n".join(_wrap(p) for p in parts if p)
 
 
-def _older_e2e(newest, older):
+def _older_e2e(newest, older, files):
     """The e2e tables of older runs, newest first, each for the arms that no newer run shown has measured."""
     seen, out = {r["arm"] for r in newest["rows"]}, []
     for run in older:
-        d = _find(run, ("e2e.json",))
+        d = _find(run, files)
         if d is not None and {r["arm"] for r in d["rows"]} - seen:
             out.append("An earlier run with arms the one above lacks (its whole table, its own baselines):\n\n"
                        + _e2e(d, run))

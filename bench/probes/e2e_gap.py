@@ -8,6 +8,7 @@ init's spread), and the H200's GEMMs are power-bound, so their speed can depend 
 timed on theta_0, on the policy after the arm's steps, and on theta_0 again. ``--quick``: the CPU smoke run (times
 mean nothing). Prints one line an arm and a JSON line of median ms."""
 import argparse
+import contextlib
 import json
 import time
 from types import SimpleNamespace
@@ -18,30 +19,27 @@ import torch
 from bench import bench_e2e as E
 from bench import common
 
-VARIANTS = ("offline_ref", "offline_ref+clip", "lookahead", "lookahead-clip", "sync_ce", "sync_ce-copy",
-            "offline_ref")
+# (name, bench e2e's arm, the difference): the clip forced on or off in the loss, or the syncer's copy taken away
+VARIANTS = (("offline_ref", "offline_ref", None), ("offline_ref+clip", "offline_ref", "clip"),
+            ("lookahead", "lookahead", None), ("lookahead-clip", "lookahead", "no clip"),
+            ("sync_ce", "sync_ce", None), ("sync_ce-copy", "sync_ce", "no copy"),
+            ("offline_ref (again)", "offline_ref", None))
 
 
-def run(name, a, device, dtype):
+def run(arm, change, a, device, dtype):
     import humanline_kernels as hk
-    arm, _, change = name.partition("+") if "+" in name else name.partition("-")
-    patches = []
     orig = E._fused_loss
-    if change == "clip" and "+" in name:  # the clip on in an arm that has none
-        patches.append(mock.patch.object(E, "_fused_loss", lambda m, b, r, c: orig(m, b, r, hk.HumanlineClip())))
-    elif change == "clip":  # the clip off in a humanline arm
-        patches.append(mock.patch.object(E, "_fused_loss", lambda m, b, r, c: orig(m, b, r, None)))
-    elif change == "copy":  # the syncer's copy taken away: start() and wait() do nothing
-        patches += [mock.patch.object(hk.ReferenceSyncer, "start", lambda self: True),
-                    mock.patch.object(hk.ReferenceSyncer, "wait", lambda self: None)]
-    for p in patches:
-        p.start()
-    try:
-        return E.run_arm(arm, a, device, dtype)
-    finally:
-        for p in patches:
-            p.stop()
-        E._free(device)
+    with contextlib.ExitStack() as stack:
+        if change in ("clip", "no clip"):
+            clip = hk.HumanlineClip() if change == "clip" else None
+            stack.enter_context(mock.patch.object(E, "_fused_loss", lambda m, b, r, c: orig(m, b, r, clip)))
+        elif change == "no copy":  # start() and wait() do nothing: the reference stays theta_0
+            stack.enter_context(mock.patch.object(hk.ReferenceSyncer, "start", lambda self: True))
+            stack.enter_context(mock.patch.object(hk.ReferenceSyncer, "wait", lambda self: None))
+        try:
+            return E.run_arm(arm, a, device, dtype)
+        finally:
+            E._free(device)
 
 
 def ref_forward_by_weights(a, device, dtype, reps=20):
@@ -84,13 +82,12 @@ def main(argv=None):
     E.torch, E.common = torch, common  # bench e2e's main() sets these after reading its flags
     device, dtype = ("cpu", torch.float32) if a.quick else ("cuda", torch.bfloat16)
     out, loss = {}, {}
-    for k, name in enumerate(VARIANTS):
+    for k, (name, arm, change) in enumerate(VARIANTS):
         t0 = time.time()
-        r = run(name, SimpleNamespace(**cfg), device, dtype)
-        key = name if name not in out else f"{name} (again)"
-        out[key] = round(r["ms"], 2)
-        loss[key] = r["losses"][E.CHECK_STEP]
-        print(f"[{k + 1}/{len(VARIANTS)}] {key}: {r['ms']:.4g} ms/step, step-2 loss {r['losses'][E.CHECK_STEP]:.6g} "
+        r = run(arm, change, SimpleNamespace(**cfg), device, dtype)
+        out[name] = round(r["ms"], 2)
+        loss[name] = r["losses"][E.CHECK_STEP]
+        print(f"[{k + 1}/{len(VARIANTS)}] {name}: {r['ms']:.4g} ms/step, step-2 loss {loss[name]:.6g} "
               f"({time.time() - t0:.1f} s)", flush=True)
     base = out["offline_ref"]
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "ms": out,
