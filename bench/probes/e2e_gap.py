@@ -18,6 +18,7 @@ import torch
 
 from bench import bench_e2e as E
 from bench import common
+from bench.bench_sync import time_reps
 
 # (name, bench e2e's arm, the difference): the clip forced on or off in the loss, or the syncer's copy taken away
 VARIANTS = (("offline_ref", "offline_ref", None), ("offline_ref+clip", "offline_ref", "clip"),
@@ -50,15 +51,7 @@ def ref_forward_by_weights(a, device, dtype, reps=20):
     batch = E._batches(a, device)[0]
 
     def timed(model):
-        ms = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                E._fused_ref_logps(model, batch)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            ms.append((time.perf_counter() - t0) * 1e3)
-        return round(sorted(ms)[len(ms) // 2], 3)
+        return round(time_reps(torch.no_grad()(lambda: E._fused_ref_logps(model, batch)), reps=reps), 3)
 
     first = timed(frozen0)
     with mock.patch.object(E, "_policy", lambda *args, **kw: policy):
