@@ -189,6 +189,84 @@ def test_save_merges_runs_by_objective_flags_and_environment(tmp_path, monkeypat
     assert [(e["objective"], e["flags"], e["env"]) for e in rec["runs"]] == [
         ("dpo", [], {}), ("kto", [], {}), ("dpo", ["--steps", "2"], {}), ("dpo", [], {"ATEN_CPU_CAPABILITY": "avx2"})]
     assert rec["runs"][1]["arms"]["online"]["rule_rate"] == 0.9 and rec["canary"] == {"dpo": {}}
+    assert rec["canary_cpu"] == demo.cpu_key() and "canary_other_cpus" not in rec
     table = demo.markdown_table(rec["runs"][2:])
     assert "| DPO | `--steps 2` (AVX2) |" in table and "| DPO | `ATEN_CPU_CAPABILITY=avx2` (AVX2) |" in table
     assert "within 1 s.e., 1.0x faster" in demo.markdown_table(rec["runs"][:1])
+
+
+def _canary(loss=0.5, heldout=0.25):
+    return {"dpo": {"offline lr 0.003 seed 0": {"losses": [0.75, loss], "heldout": heldout, "report": 0.5,
+                                                 "clip_frac": None}},
+            "grpo": {"online lr 0.003 seed 0": {"losses": [1e-8, 0.125], "heldout": 0.0, "report": 0.0,
+                                                "clip_frac": 0.5}}}
+
+
+def test_canary_is_exact_on_a_recorded_cpu_and_round_off_close_elsewhere():
+    """The bits recorded for a CPU must repeat there; a CPU with none is held to the record's canary within
+    CANARY_RTOL (losses), and every other value (rule rates, the runs themselves) must still be equal."""
+    ulp = _canary(loss=0.5 * (1 + 1e-7))
+    record = {"canary_cpu": "A", "canary": _canary(), "canary_other_cpus": {"B": ulp}}
+    assert demo.check_canary(record, _canary(), "Z")[0] == "same"
+    assert demo.check_canary(record, ulp, "A")[0] == "same"  # the bits of a recorded computation, wherever
+    off = _canary(loss=0.5 * (1 - 1e-7))
+    assert demo.check_canary(record, off, "A")[0] == "differ" and demo.check_canary(record, off, "B")[0] == "differ"
+    verdict, msg = demo.check_canary(record, off, "Z")
+    assert verdict == "close" and "(Z)" in msg
+    far = _canary(loss=0.5 * (1 + 3 * demo.CANARY_RTOL))
+    verdict, msg = demo.check_canary(record, far, "Z")
+    assert verdict == "differ" and "1 canary runs" in msg and "dpo offline lr 0.003 seed 0" in msg
+    assert demo.check_canary(record, _canary(heldout=0.3125), "Z")[0] == "differ"
+    short = _canary()
+    short["grpo"]["online lr 0.003 seed 0"]["losses"].pop()
+    fewer = {"dpo": _canary()["dpo"]}
+    more = {**_canary(), "kto": {"online lr 0.003 seed 0": {"losses": []}}}
+    nan = _canary()
+    nan["grpo"]["online lr 0.003 seed 0"]["clip_frac"] = None
+    for bad in (short, fewer, more, nan):
+        assert demo.check_canary(record, bad, "Z")[0] == "differ"
+    # near zero, round-off is absolute: 1e-8 against 1e-8 + 1e-14 is close, + 1e-12 is not
+    tiny = _canary()
+    tiny["grpo"]["online lr 0.003 seed 0"]["losses"][0] = 1e-8 + 1e-14
+    assert demo.check_canary(record, tiny, "Z")[0] == "close"
+    tiny["grpo"]["online lr 0.003 seed 0"]["losses"][0] = 1e-8 + 1e-12
+    assert demo.check_canary(record, tiny, "Z")[0] == "differ"
+
+
+def test_cpu_key_names_the_cpu():
+    key = demo.cpu_key()
+    assert isinstance(key, str) and key.strip()
+    if os.path.exists("/proc/cpuinfo") and "vendor_id" in open("/proc/cpuinfo", encoding="utf-8").read():
+        assert re.fullmatch(r"\S+ family \d+ model \d+", key), key
+
+
+def test_add_canary_keeps_another_cpus_bits_only_within_round_off(tmp_path, monkeypatch, capsys):
+    """``--add-canary PATH``: this CPU's canary bits join the record when they are the record's computation
+    rounded otherwise (and repeat); otherwise a one-line error, and the record is left as it was."""
+    path = tmp_path / "demo.json"
+    record = {"canary_cpu": "A", "canary": _canary(), "runs": []}
+    path.write_text(json.dumps(record))
+    monkeypatch.setattr(demo, "cpu_key", lambda: "B")
+    outs = []
+    monkeypatch.setattr(demo, "canary_subprocess", lambda: outs.pop(0))
+
+    def cli(*given, args=("--add-canary", str(path), "--quiet")):
+        outs[:] = list(given)
+        return demo.main(list(args))
+    for given in ([_canary(loss=0.6)] * 2, [_canary(loss=0.5 + 1e-7), _canary(loss=0.5 + 2e-7)]):
+        with pytest.raises(SystemExit) as e:
+            cli(*given)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and "demo: error: --add-canary: " in err[-1]
+        assert json.loads(path.read_text()) == record
+    close = _canary(loss=0.5 + 1e-7)
+    assert cli(close, close) == 0 and "kept its bits" in capsys.readouterr().out
+    kept = json.loads(path.read_text())
+    assert kept == {**record, "canary_other_cpus": {"B": close}}
+    assert demo.check_canary(kept, close, "B")[0] == "same"
+    assert demo.check_canary(kept, _canary(loss=0.5 + 2e-7), "B")[0] == "differ"
+    for args, words in (([str(path), "--save", str(tmp_path / "x.json")], "drop --save"),
+                        ([str(tmp_path / "none.json")], "no record at")):
+        with pytest.raises(SystemExit):
+            cli(args=["--add-canary", *args])
+        assert words in capsys.readouterr().err

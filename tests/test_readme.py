@@ -1,9 +1,11 @@
 """README's numbers are generated, never kept by hand: its demo table from the demo's committed record, its
 Benchmarks section from the committed GPU runs its marker names (``python -m bench report --readme`` writes both).
 The record is the default run's, and it still describes the code: its canary, a tiny run of every objective under
-pinned rounding, is repeated here and must give the same bits."""
+pinned rounding, is repeated here and must give the bits recorded for this CPU (or, on a CPU the record has none
+for, the record's within round-off)."""
 import json
 import os
+import warnings
 
 import pytest
 
@@ -81,8 +83,9 @@ def test_demo_record_is_the_default_run_of_every_objective():
 
 def test_demo_record_still_describes_the_code():
     """The canary recorded with the table, run again: any change to what the demo computes (data, training, the
-    package's losses or syncer, evaluation) or to torch's numerics changes these bits, and the table no longer
-    says what the code does."""
+    package's losses or syncer, evaluation) or to torch's numerics changes the bits recorded for this CPU, or, on
+    a CPU the record has no bits for, moves a loss beyond round-off, and the table no longer says what the code
+    does."""
     import platform
 
     import torch
@@ -97,11 +100,13 @@ def test_demo_record_still_describes_the_code():
                     f"{torch.__version__} on {platform.machine()}")
     assert record["canary_env"] == demo.CANARY_ENV and record["canary_settings"] == {**demo.CANARY,
                                                                                        "lrs": list(demo.CANARY["lrs"])}
-    now = demo.canary_subprocess()
-    if now != record["canary"]:
-        path = _block("demo-table")[0]
-        diff = [f"{o} {k}" for o in record["canary"] for k in record["canary"][o]
-                if now.get(o, {}).get(k) != record["canary"][o][k]]
-        pytest.fail(f"the demo no longer computes what its record measured ({len(diff)} canary runs differ, e.g. "
-                    f"{diff[:3]}): rerun `python -m humanline_kernels.demo --objective all --save {path}` (and the "
-                    f"other runs of the record, with their flags), then `{REGENERATE}`")
+    verdict, msg = demo.check_canary(record, demo.canary_subprocess(), demo.cpu_key())
+    path = _block("demo-table")[0]
+    if verdict == "differ":
+        pytest.fail(f"the demo no longer computes what its record measured: {msg}. Rerun `python -m "
+                    f"humanline_kernels.demo --objective all --save {path}` (and the other runs of the record, with "
+                    f"their flags), then `{REGENERATE}`")
+    if verdict == "close":
+        # the same code, rounded by a CPU the record has no bits for: checked to round-off only, so say so
+        warnings.warn(f"{msg}; `python -m humanline_kernels.demo --add-canary {path}` keeps its bits for exact "
+                      "checks on this CPU", stacklevel=1)
