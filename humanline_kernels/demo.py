@@ -653,7 +653,8 @@ def entry(result, flags):
             "settings": {**{k: info[k] for k in ("steps", "seeds", "lrs", "seed", "batch", "sync_every",
                                                   "resample_every", "sft_steps", "eval_n")},
                          "clip": [info["clip"].log_eps_p, info["clip"].log_eps_r]},
-            "machine": {"device": info["device"], "cpu_capability": info["cpu"], "processes": info["workers"],
+            "machine": {"device": info["device"], "cpu": cpu_key() if info["device"] == "cpu" else None,
+                        "cpu_capability": info["cpu"], "processes": info["workers"],
                         "cores": _cores(), "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version()},
             "commit": commit, "dirty": dirty, "behaviour": info["behaviour"], "start": info["start"],
@@ -769,6 +770,7 @@ def readme_block(record, record_path, root):
         first = main[0]
         s, m = first["settings"], first["machine"]
         where = (f"{m['device'].upper()}" + (f" {m['cpu_capability']}" if m["cpu_capability"] else "")
+                 + (f" ({m['cpu']})" if m.get("cpu") else "")
                  + f", {m['cores']} cores, {m['processes']} processes, torch {m['torch']}, transformers "
                  f"{m['transformers']}")
         commit = f"at commit {first['commit']}" + (" with local changes" if first["dirty"] else "") \

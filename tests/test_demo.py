@@ -270,3 +270,18 @@ def test_add_canary_keeps_another_cpus_bits_only_within_round_off(tmp_path, monk
         with pytest.raises(SystemExit):
             cli(args=["--add-canary", *args])
         assert words in capsys.readouterr().err
+
+
+def test_table_header_names_the_cpu_model_when_the_record_has_it():
+    """README's header line says which CPU model measured the table when the record's runs carry it (runs saved
+    since the canary became per CPU model); older records read as before."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(demo.__file__)))
+    path = os.path.join("bench", "results", "2026-11-27-cpu-demo", "demo.json")
+    with open(os.path.join(root, path), encoding="utf-8") as f:
+        record = json.load(f)
+    before = demo.readme_block(record, path, root)
+    assert "family" not in before
+    for e in record["runs"]:
+        e["machine"]["cpu"] = "GenuineIntel family 6 model 106"
+    after = demo.readme_block(record, path, root)
+    assert "CPU AVX512 (GenuineIntel family 6 model 106), 2 cores" in after.replace("\n", " ")
