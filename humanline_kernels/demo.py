@@ -590,6 +590,7 @@ def canary_differences(want, got, rtol=0.0):
     0), or, with ``rtol``, floats beyond that relative difference (everything else must still be equal)."""
     def same(a, b):
         if isinstance(a, float) and isinstance(b, float):
+            # losses near 0 (GRPO's first steps give ~1e-8) are held to rtol on the 1e-8 scale, not their own
             return a == b or math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-8)
         if isinstance(a, list) and isinstance(b, list):
             return len(a) == len(b) and all(map(same, a, b))

@@ -221,9 +221,9 @@ def test_canary_is_exact_on_a_recorded_cpu_and_round_off_close_elsewhere():
     short["grpo"]["online lr 0.003 seed 0"]["losses"].pop()
     fewer = {"dpo": _canary()["dpo"]}
     more = {**_canary(), "kto": {"online lr 0.003 seed 0": {"losses": []}}}
-    nan = _canary()
-    nan["grpo"]["online lr 0.003 seed 0"]["clip_frac"] = None
-    for bad in (short, fewer, more, nan):
+    no_rate = _canary()
+    no_rate["grpo"]["online lr 0.003 seed 0"]["clip_frac"] = None
+    for bad in (short, fewer, more, no_rate):
         assert demo.check_canary(record, bad, "Z")[0] == "differ"
     # near zero, round-off is absolute: 1e-8 against 1e-8 + 1e-14 is close, + 1e-12 is not
     tiny = _canary()
