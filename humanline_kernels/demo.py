@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
+import platform
 import sys
 import time
 
@@ -553,7 +555,6 @@ def canary():
 def canary_subprocess():
     """:func:`canary` in a fresh interpreter under ``CANARY_ENV`` (the pinned rounding must be set before torch
     starts), from this copy of the package."""
-    import json
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, **CANARY_ENV,
@@ -569,7 +570,6 @@ def canary_subprocess():
 def cpu_key():
     """The CPU a canary ran on, as the record keys it: vendor, family and model from /proc/cpuinfo (Linux), else
     what :mod:`platform` says."""
-    import platform
     fields = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -641,7 +641,6 @@ def _git_commit():
 def entry(result, flags):
     """One run of one objective as the record keeps it: what was run (the flags that change numbers, the
     environment that changes rounding), where, and what it measured per arm."""
-    import platform
 
     import transformers
 
@@ -669,7 +668,6 @@ def _key(e):
 def save(path, entries):
     """Merge ``entries`` into the JSON record at ``path`` (an entry of the same objective, flags and environment
     is replaced), with a fresh canary (:func:`canary_subprocess`); returns the record."""
-    import json
     record = {"runs": []}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -690,7 +688,6 @@ def save(path, entries):
 
 
 def _write(path, record):
-    import json
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
@@ -701,7 +698,6 @@ def add_canary(path):
     """Keep this CPU's canary bits in the record at ``path`` beside the record's own, after checking that they are
     within round-off of it (:func:`check_canary`): the same code, rounded by another CPU. Returns ``(verdict,
     message)``; the record is written only on ``"close"``."""
-    import json
     with open(path, encoding="utf-8") as f:
         record = json.load(f)
     cpu, now = cpu_key(), canary_subprocess()
