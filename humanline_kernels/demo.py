@@ -641,7 +641,6 @@ def _git_commit():
 def entry(result, flags):
     """One run of one objective as the record keeps it: what was run (the flags that change numbers, the
     environment that changes rounding), where, and what it measured per arm."""
-
     import transformers
 
     info = result["info"]
