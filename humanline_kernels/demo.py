@@ -51,6 +51,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -555,7 +556,6 @@ def canary():
 def canary_subprocess():
     """:func:`canary` in a fresh interpreter under ``CANARY_ENV`` (the pinned rounding must be set before torch
     starts), from this copy of the package."""
-    import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, **CANARY_ENV,
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -624,7 +624,6 @@ def check_canary(record, now, cpu):
 
 def _git_commit():
     """(commit, dirty) of the checkout this module runs from, or (None, None) outside a git checkout."""
-    import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=root,
