@@ -42,6 +42,7 @@ run exits 1 when they disagree. A requested arm brings its baseline and the arm 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import itertools
@@ -272,8 +273,9 @@ def _bytes(tensors):
     return n
 
 
-def run_arm(arm, a, device, dtype):
-    """Warm-up and timed steps of one arm; every loss, median ms, peak and held GiB."""
+def run_arm(arm, a, device, dtype, timed=None):
+    """Warm-up and timed steps of one arm; every loss, median ms, peak and held GiB. ``timed``: a context manager
+    entered around the timed steps only (a probe's clock and power sampler: bench/probes/e2e_gap.py)."""
     cuda = device == "cuda"
     if arm in TRL_ARMS:
         from . import e2e_trl
@@ -288,18 +290,20 @@ def run_arm(arm, a, device, dtype):
         torch.cuda.reset_peak_memory_stats()
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.steps)]
     times = []
-    for k in range(a.steps):
-        i = a.warmup + k
+    with timed() if timed is not None else contextlib.nullcontext():
+        for k in range(a.steps):
+            i = a.warmup + k
+            if cuda:
+                ev[k][0].record()
+                losses.append(step(i))
+                ev[k][1].record()
+            else:
+                t0 = time.perf_counter()
+                losses.append(step(i))
+                times.append((time.perf_counter() - t0) * 1e3)
         if cuda:
-            ev[k][0].record()
-            losses.append(step(i))
-            ev[k][1].record()
-        else:
-            t0 = time.perf_counter()
-            losses.append(step(i))
-            times.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
     if cuda:
-        torch.cuda.synchronize()
         times = [s.elapsed_time(e) for s, e in ev]
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:

@@ -80,9 +80,63 @@ def test_e2e_gap_quick_takes_each_difference_away(monkeypatch, capsys):
     import e2e_gap
     res = e2e_gap.main(["--quick", "--steps", "1"])
     assert set(res["ms"]) == {"offline_ref", "offline_ref+clip", "lookahead", "lookahead-clip", "sync_ce",
-                              "sync_ce-copy", "offline_ref (again)"}
+                              "sync_ce-copy", "offline_ref, no mask sync", "lookahead, no mask sync",
+                              "sync_ce, no mask sync", "offline_ref (again)"}
     assert res["loss"]["sync_ce-copy"] == res["loss"]["offline_ref"] == res["loss"]["offline_ref (again)"]
+    # without the packed-sequence check (transformers' host sync) the unpacked batches give the same losses
+    for arm in ("offline_ref", "lookahead", "sync_ce"):
+        assert res["loss"][f"{arm}, no mask sync"] == res["loss"][arm]
+    assert set(res["smi"].values()) == {None}  # no nvidia-smi sampling on the CPU
     assert res["loss"]["sync_ce"] != res["loss"]["offline_ref"]
     assert res["loss"]["lookahead"] == pytest.approx(res["loss"]["sync_ce"], abs=1e-5)
     assert set(res["reference_forward_ms"]) == {"theta_0", "trained", "theta_0 again"}
     assert "reference forward ms by weights" in capsys.readouterr().out
+
+
+def test_e2e_models_forward_asks_transformers_for_packed_sequences(monkeypatch):
+    """e2e_gap.py's "no mask sync" variants take away a host sync by replacing
+    ``transformers.masking_utils.find_packed_sequence_indices`` (run 10: two synchronizing calls a step, there).
+    That only means something while bench e2e's forward calls it: a transformers that stops calling it (or renames
+    it) fails here, not silently in a GPU run."""
+    from types import SimpleNamespace
+
+    from transformers import masking_utils
+
+    from bench import bench_e2e as E
+    calls = []
+    orig = masking_utils.find_packed_sequence_indices
+
+    def spy(position_ids):
+        calls.append(position_ids.shape)
+        return orig(position_ids)
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
+    E.torch = torch
+    a = SimpleNamespace(**dict(E.QUICK, supervised=False))
+    model = E._policy(a, "cpu", torch.float32)
+    ids = E._batches(a, "cpu")[0][0]
+    with torch.no_grad():
+        E._hidden(model, ids)
+    assert calls == [torch.Size([a.batch, a.seq])]
+    assert orig(torch.arange(a.seq).expand(a.batch, -1)) is None  # unpacked rows: None, what the variants return
+
+
+def test_e2e_profile_quick_compares_the_two_arms(monkeypatch, tmp_path):
+    """e2e_profile.py (run 10's kernel-level profile) on the CPU smoke size: both arms profiled, the step
+    annotations kept out of the work (they span the step: counted, they would hide its idle time), JSON written."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import e2e_profile
+    res = e2e_profile.main([str(tmp_path), "--quick", "--steps", "1"])
+    assert set(res["arms"]) == {"offline_ref", "lookahead"}
+    for r in res["arms"].values():
+        assert 0 < r["busy_ms"] <= r["span_ms"] and r["kernels_a_step"] > 0
+    assert not any(n.startswith("hk_step_") for n in res["top_kernel_diffs_ms"])
+    assert (tmp_path / "profile.json").exists()
+    # on a GPU the step annotation is a CUDA-timeline event too: it is not work
+    from types import SimpleNamespace
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    evs = [SimpleNamespace(name="hk_step_0", device_type=cuda, cpu_children=[]),
+           SimpleNamespace(name="nvjet_sm90_gemm", device_type=cuda, cpu_children=[]),
+           SimpleNamespace(name="aten::mm", device_type=cpu, cpu_children=[])]
+    assert [e.name for e in e2e_profile.work(evs, True)] == ["nvjet_sm90_gemm"]
+    assert [e.name for e in e2e_profile.work(evs, False)] == ["nvjet_sm90_gemm", "aten::mm"]

@@ -21,7 +21,9 @@ import humanline_kernels as hk  # noqa: E402
 orig = E._fused_loss
 for arm, clip in (("offline_ref", False), ("offline_ref", True), ("lookahead", True), ("lookahead", False),
                   ("sync_ce", True)):
-    with mock.patch.object(E, "_fused_loss", lambda m, b, r, c, _k=clip: orig(m, b, r, hk.HumanlineClip() if _k else None)):
+    def loss(m, b, r, c, _k=clip):
+        return orig(m, b, r, hk.HumanlineClip() if _k else None)
+    with mock.patch.object(E, "_fused_loss", loss):
         step, _, _ = E._build(arm, a, "cuda", torch.bfloat16)
         for i in range(3):
             step(i)
@@ -30,7 +32,8 @@ for arm, clip in (("offline_ref", False), ("offline_ref", True), ("lookahead", T
 
         def hook(message, category, filename, lineno, file=None, line=None):
             fr = [f"{f.filename.split('/')[-2]}/{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
-                  for f in traceback.extract_stack()[:-1] if "humanline_kernels" in f.filename or "/bench/" in f.filename]
+                  for f in traceback.extract_stack()[:-1]
+                  if "humanline_kernels" in f.filename or "/bench/" in f.filename]
             seen.append((str(message)[:80], fr[-4:]))
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings():
