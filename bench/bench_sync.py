@@ -17,13 +17,15 @@
    state dict through ``torch.distributed.checkpoint.state_dict``); ``ratio`` = state_dict way / our sync.
 ``--quick``: tiny shapes on CPU (a smoke test of the harness; the numbers mean nothing).
 
-Timings are medians of ``triton.testing.do_bench``, whose ``rep``/``warmup`` are milliseconds, not counts: the
-step-level parts (tens of ms per call) use ``time_reps`` so that the median is over at least ``reps`` calls,
-which a 1 % overhead needs.
+Timings are medians of ``triton.testing.do_bench``, whose ``rep``/``warmup`` are milliseconds, not counts. The
+overlap rows (about 100 ms a call, differences of ~1 %) are timed interleaved: six rounds, each running every row
+five times in turn (CUDA events around each call), so that the card's drift over the table falls on every row
+alike; ``spread_pct`` is a row's range of per-round medians over its median.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from unittest import mock
 
@@ -91,7 +93,40 @@ def bench_copy(device, scale):
     return rows, {"copy_bw_TBps": bw / 1e9, "kernel": ext is not None}
 
 
-def bench_overlap(device, scale, gemms, slices=15):
+def interleaved(fns, device, rounds=6, calls=5):
+    """Median ms of each step in ``fns`` (name -> callable) over ``rounds`` x ``calls`` calls, timed in rounds that
+    run every step ``calls`` times in turn, so that the card's drift (clock, temperature) falls on every row alike
+    instead of on the rows measured last: run 10 (H200) timed the GEMM chain alone 0.8 % slower at the end of the
+    sequential table than at its start, as much as the differences between the rows. Also each step's median in each
+    round (a row's spread)."""
+    cuda = device == "cuda"
+    for fn in fns.values():  # warm-up: compile, allocate, a paced syncer learns its points
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times, by_round = {k: [] for k in fns}, {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if cuda:  # CUDA events around each call: the GPU's time for the step, host ahead of it
+                ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(calls)]
+                for s, e in ev:
+                    s.record()
+                    fn()
+                    e.record()
+                torch.cuda.synchronize()
+                t = [s.elapsed_time(e) for s, e in ev]
+            else:
+                t = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn()
+                    t.append((time.perf_counter() - t0) * 1e3)
+            times[name] += t
+            by_round[name].append(statistics.median(t))
+    return {k: statistics.median(v) for k, v in times.items()}, by_round
+
+
+def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
     import humanline_kernels as hk
     shapes = layout(scale)
     pol, ref = Flat(shapes, torch.float32, device), Flat(shapes, torch.bfloat16, device)
@@ -103,51 +138,53 @@ def bench_overlap(device, scale, gemms, slices=15):
         for _ in range(gemms):
             torch.mm(a, b)
 
-    def with_sync(s, fwd=work):
+    from humanline_kernels.sync import _copy
+
+    def with_sync(s, engine, fwd=work):  # the copier is chosen at each call: the rows alternate
         def step():
-            s.start()
-            fwd()
-            s.wait()
+            with mock.patch.object(_copy, "COPY_ENGINE", engine):
+                s.start()
+                fwd()
+                s.wait()
         return step
 
-    from humanline_kernels.sync import _copy
     pol16 = Flat(shapes, torch.bfloat16, device)  # same-dtype groups: the ones the copy engines can take
-    base = time_reps(work, reps=30)
-    # paced: the syncer hooks the policy's leaf modules, so the GEMMs run as the policy's forward (one leaf each)
-    paced_pol, paced_ref = Chain(pol16.ps, a, b, gemms), Chain(ref.ps, a, b, gemms)
-    rows = [{"impl": "GEMMs alone", "ms": base, "added_pct": 0.0}]
     # use_kernel=False on the copy-engine path: copy_ per tensor in place of the extension's one batched copy
+    fns = {"GEMMs alone": work}
     for name, policy, overlap, engine, kernel in [
             ("GEMMs + overlapped sync", pol, True, False, None),
             ("GEMMs + blocking sync", pol, False, False, None),
             ("GEMMs + overlapped bf16 sync (kernel)", pol16, True, False, None),
             ("GEMMs + overlapped bf16 sync (copy engines, batched)", pol16, True, True, None),
             ("GEMMs + overlapped bf16 sync (copy engines, copy_ per tensor)", pol16, True, True, False)]:
-        with mock.patch.object(_copy, "COPY_ENGINE", engine):
-            ms = time_reps(with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap, use_kernel=kernel)), reps=30)
-        rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base})
-    # the same GEMMs as the paced policy's forward: alone with the syncer's hooks on (one sync step hooks them; the
-    # GPU-bound chain should hide their host time), then with the sync in ``slices`` parts, one every
-    # gemms/slices GEMMs once learned (run 8's pace probe: 15 parts, one per 4 GEMMs)
+        fns[name] = with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap, use_kernel=kernel), engine)
+    # paced: the syncer hooks the policy's leaf modules, so the GEMMs run as a policy's forward (one leaf each), a
+    # chain a syncer (each its own hooks): alone with the hooks on (the GPU-bound chain should hide their host
+    # time), then with the sync in ``slices`` parts, one every gemms/slices GEMMs once learned (run 8's pace probe:
+    # 15 parts, one per 4 GEMMs)
+    paced_ref = Chain(ref.ps, a, b, gemms)
+    paced = []
     for name, engine in [(f"GEMMs + overlapped bf16 sync (copy engines, batched, {slices} slices)", True),
                          (f"GEMMs + overlapped bf16 sync (kernel, {slices} slices)", False)]:
-        syncer = hk.ReferenceSyncer(paced_pol, paced_ref, slices=slices)
-        step = with_sync(syncer, paced_pol)
-        with mock.patch.object(_copy, "COPY_ENGINE", engine):
-            step()
-            if engine:
-                chain = time_reps(paced_pol, reps=30)
-                rows.append({"impl": "GEMMs as the paced policy's forward, hooked, alone", "ms": chain,
-                             "added_pct": 100 * (chain - base) / base})
-            ms = time_reps(step, reps=30)
-        rows.append({"impl": name, "ms": ms, "added_pct": 100 * (ms - base) / base, "parts": dict(syncer._pace.issued)})
+        chain = Chain(pol16.ps, a, b, gemms)
+        syncer = hk.ReferenceSyncer(chain, paced_ref, slices=slices)
+        if engine:
+            fns["GEMMs as the paced policy's forward, hooked, alone"] = chain
+        fns[name] = with_sync(syncer, engine, chain)
+        paced.append((name, syncer))
+    ms, by_round = interleaved(fns, device, rounds=rounds, calls=calls)
+    for _, syncer in paced:
         syncer.refresh()  # unhook
-    # the chain alone again: every row above is against the first, and the GEMMs' clock drifts as the card warms
-    # (run 9, H200: the hooked chain alone, measured late, was +0.7 %; hooks on a GPU-bound chain should cost ~0)
-    again = time_reps(work, reps=30)
-    rows.append({"impl": "GEMMs alone, again (the drift since the first row)", "ms": again,
-                 "added_pct": 100 * (again - base) / base})
-    return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters()), "slices": slices}
+    base = ms["GEMMs alone"]
+    rows = []
+    for name in fns:
+        r = by_round[name]
+        rows.append({"impl": name, "ms": ms[name], "added_pct": 100 * (ms[name] - base) / base,
+                     "spread_pct": 100 * (max(r) - min(r)) / ms[name]})
+    for name, syncer in paced:  # where the last step's parts went
+        next(r for r in rows if r["impl"] == name)["parts"] = dict(syncer._pace.issued)
+    return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters()), "slices": slices,
+                  "rounds": rounds, "calls_a_round": calls, "alone_ms_by_round": by_round["GEMMs alone"]}
 
 
 class Mm(nn.Module):
