@@ -81,11 +81,12 @@ def test_e2e_gap_quick_takes_each_difference_away(monkeypatch, capsys):
     res = e2e_gap.main(["--quick", "--steps", "1"])
     assert set(res["ms"]) == {"offline_ref", "offline_ref+clip", "lookahead", "lookahead-clip", "sync_ce",
                               "sync_ce-copy", "offline_ref, no mask sync", "lookahead, no mask sync",
-                              "sync_ce, no mask sync", "offline_ref (again)"}
+                              "sync_ce, no mask sync", "lookahead, no mode switch", "offline_ref (again)"}
     assert res["loss"]["sync_ce-copy"] == res["loss"]["offline_ref"] == res["loss"]["offline_ref (again)"]
     # without the packed-sequence check (transformers' host sync) the unpacked batches give the same losses
     for arm in ("offline_ref", "lookahead", "sync_ce"):
         assert res["loss"][f"{arm}, no mask sync"] == res["loss"][arm]
+    assert res["loss"]["lookahead, no mode switch"] == res["loss"]["lookahead"]  # no dropout in the e2e model
     assert set(res["smi"].values()) == {None}  # no nvidia-smi sampling on the CPU
     assert res["loss"]["sync_ce"] != res["loss"]["offline_ref"]
     assert res["loss"]["lookahead"] == pytest.approx(res["loss"]["sync_ce"], abs=1e-5)
