@@ -130,18 +130,24 @@ def ref_forward_by_weights(a, device, dtype, reps=20):
     return {"theta_0": first, "trained": timed(trained), "theta_0 again": timed(frozen0)}
 
 
+def setup(p, a):
+    """bench e2e's configuration for a probe's flags (``--quick``, ``--steps``): ``(cfg dict, device, dtype)``;
+    a bad flag is answered by ``p.error``. Shared with e2e_profile.py."""
+    if a.steps < 1:
+        p.error(f"--steps must be >= 1, got {a.steps}")
+    if not a.quick and not torch.cuda.is_available():
+        p.error("the full size needs a CUDA device; --quick is the CPU smoke run")
+    E.torch, E.common = torch, common  # bench e2e's main() sets these after reading its flags
+    cfg = dict(E.QUICK if a.quick else E.FULL, steps=a.steps, slices=16, supervised=False)
+    return cfg, *(("cpu", torch.float32) if a.quick else ("cuda", torch.bfloat16))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--steps", type=int, default=25, help="timed steps an arm (default 25)")
     a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error(f"--steps must be >= 1, got {a.steps}")
-    if not a.quick and not torch.cuda.is_available():
-        p.error("the full size needs a CUDA device; --quick is the CPU smoke run")
-    cfg = dict(E.QUICK if a.quick else E.FULL, steps=a.steps, slices=16, supervised=False)
-    E.torch, E.common = torch, common  # bench e2e's main() sets these after reading its flags
-    device, dtype = ("cpu", torch.float32) if a.quick else ("cuda", torch.bfloat16)
+    cfg, device, dtype = setup(p, a)
     smi = Smi() if device == "cuda" and shutil.which("nvidia-smi") else None
     out, loss, clocks = {}, {}, {}
     try:

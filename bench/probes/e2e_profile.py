@@ -12,9 +12,9 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
+from e2e_gap import setup
 
 from bench import bench_e2e as E
-from bench import common
 
 ARMS = ("offline_ref", "lookahead")
 # kernel name -> family: the GEMMs (cuBLAS/cuBLASLt/nvjet), attention, our Triton kernels, the optimizer, the rest
@@ -91,13 +91,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--steps", type=int, default=4, help="profiled steps an arm (default 4)")
     a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error(f"--steps must be >= 1, got {a.steps}")
-    if not a.quick and not torch.cuda.is_available():
-        p.error("the full size needs a CUDA device; --quick is the CPU smoke run")
-    cfg = SimpleNamespace(**dict(E.QUICK if a.quick else E.FULL, slices=16, supervised=False))
-    E.torch, E.common = torch, common  # bench e2e's main() sets these after reading its flags
-    device, dtype = ("cpu", torch.float32) if a.quick else ("cuda", torch.bfloat16)
+    cfg, device, dtype = setup(p, a)
+    cfg = SimpleNamespace(**cfg)
     res = {}
     for arm in ARMS:
         res[arm] = r = profile_arm(arm, cfg, device, dtype, a.steps)
