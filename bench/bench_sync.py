@@ -173,6 +173,7 @@ def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
         fns[name] = with_sync(syncer, engine, chain)
         paced.append((name, syncer))
     ms, by_round = interleaved(fns, device, rounds=rounds, calls=calls)
+    parts = {name: dict(syncer._pace.issued) for name, syncer in paced}  # where the last step's parts went
     for _, syncer in paced:
         syncer.refresh()  # unhook
     base = ms["GEMMs alone"]
@@ -181,8 +182,8 @@ def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
         r = by_round[name]
         rows.append({"impl": name, "ms": ms[name], "added_pct": 100 * (ms[name] - base) / base,
                      "spread_pct": 100 * (max(r) - min(r)) / ms[name]})
-    for name, syncer in paced:  # where the last step's parts went
-        next(r for r in rows if r["impl"] == name)["parts"] = dict(syncer._pace.issued)
+        if name in parts:
+            rows[-1]["parts"] = parts[name]
     return rows, {"gemms": gemms, "gemm_n": n, "params": sum(p.numel() for p in pol.parameters()), "slices": slices,
                   "rounds": rounds, "calls_a_round": calls, "alone_ms_by_round": by_round["GEMMs alone"]}
 
