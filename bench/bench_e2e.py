@@ -288,26 +288,10 @@ def run_arm(arm, a, device, dtype, timed=None):
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.steps)]
-    times = []
     with timed() if timed is not None else contextlib.nullcontext():
-        for k in range(a.steps):
-            i = a.warmup + k
-            if cuda:
-                ev[k][0].record()
-                losses.append(step(i))
-                ev[k][1].record()
-            else:
-                t0 = time.perf_counter()
-                losses.append(step(i))
-                times.append((time.perf_counter() - t0) * 1e3)
-        if cuda:
-            torch.cuda.synchronize()
-    if cuda:
-        times = [s.elapsed_time(e) for s, e in ev]
-        peak = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        peak = None
+        times = common.call_ms([lambda i=i: losses.append(step(i)) for i in range(a.warmup, a.warmup + a.steps)],
+                               device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     out = {"ms": statistics.median(times), "peak_GiB": peak, "held_GiB": held_gib,
            "losses": [float(x) for x in losses]}
     pace = getattr(getattr(step, "syncer", None), "_pace", None)

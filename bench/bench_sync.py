@@ -99,28 +99,14 @@ def interleaved(fns, device, rounds=6, calls=5):
     instead of on the rows measured last: run 10 (H200) timed the GEMM chain alone 0.8 % slower at the end of the
     sequential table than at its start, as much as the differences between the rows. Also each step's median in each
     round (a row's spread)."""
-    cuda = device == "cuda"
     for fn in fns.values():  # warm-up: compile, allocate, a paced syncer learns its points
         fn()
-    if cuda:
+    if device == "cuda":
         torch.cuda.synchronize()
     times, by_round = {k: [] for k in fns}, {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            if cuda:  # CUDA events around each call: the GPU's time for the step, host ahead of it
-                ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(calls)]
-                for s, e in ev:
-                    s.record()
-                    fn()
-                    e.record()
-                torch.cuda.synchronize()
-                t = [s.elapsed_time(e) for s, e in ev]
-            else:
-                t = []
-                for _ in range(calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    t.append((time.perf_counter() - t0) * 1e3)
+            t = common.call_ms([fn] * calls, device)  # CUDA events around each call: the GPU's time for the step
             times[name] += t
             by_round[name].append(statistics.median(t))
     return {k: statistics.median(v) for k, v in times.items()}, by_round

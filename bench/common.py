@@ -71,6 +71,26 @@ def time_ms(fn, *, warmup=25, rep=100) -> float:
     return statistics.median(times)
 
 
+def call_ms(calls, device) -> list[float]:
+    """Milliseconds of each call in ``calls`` (zero-argument callables, run in order): CUDA events around each call
+    on ``device == "cuda"`` (the GPU's time for it, the host running ahead; one synchronize at the end), the wall
+    clock on the CPU. For calls of tens of ms whose every time is kept (an e2e step, a sync step's round)."""
+    if device != "cuda":
+        out = []
+        for fn in calls:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
+    for fn, (start, end) in zip(calls, ev):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in ev]
+
+
 def peak_extra_bytes(fn) -> int | None:
     """Peak CUDA memory allocated by ``fn()`` beyond what was allocated before it (None on CPU)."""
     if not torch.cuda.is_available():

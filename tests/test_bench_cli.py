@@ -320,3 +320,31 @@ def test_sync_overlap_rows_alternate_in_rounds():
     ms, by_round = bench_sync.interleaved(fns, "cpu", rounds=3, calls=2)
     assert order == list("abc") + list("aabbcc") * 3
     assert set(ms) == set("abc") and all(len(v) == 3 for v in by_round.values())
+
+
+def test_call_ms_puts_an_event_pair_around_each_call(monkeypatch):
+    """``common.call_ms``'s CUDA branch (bench e2e's steps, bench sync's rounds) on a CPU machine, with events that
+    log: a start and an end recorded around each call in order, one synchronize after the last, elapsed times read
+    pairwise. A slip here would cost a GPU run its e2e and sync stages."""
+    from types import SimpleNamespace
+
+    from bench import common
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = len(log)
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t)
+
+    monkeypatch.setattr(common.torch, "cuda", SimpleNamespace(Event=Event, synchronize=lambda: log.append("sync")))
+    ms = common.call_ms([lambda k=k: log.append(f"call{k}") for k in range(3)], "cuda")
+    assert log == [
+        "record", "call0", "record", "record", "call1", "record", "record", "call2", "record", "sync"]
+    assert ms == [2.0, 2.0, 2.0]
