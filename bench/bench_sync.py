@@ -144,10 +144,10 @@ def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
             ("GEMMs + overlapped bf16 sync (copy engines, batched)", pol16, True, True, None),
             ("GEMMs + overlapped bf16 sync (copy engines, copy_ per tensor)", pol16, True, True, False)]:
         fns[name] = with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap, use_kernel=kernel), engine)
-    # paced: the syncer hooks the policy's leaf modules, so the GEMMs run as a policy's forward (one leaf each), a
-    # chain a syncer (each its own hooks): alone with the hooks on (the GPU-bound chain should hide their host
-    # time), then with the sync in ``slices`` parts, one every gemms/slices GEMMs once learned (run 8's pace probe:
-    # 15 parts, one per 4 GEMMs)
+    # paced: the syncer hooks the policy's leaf modules, so the GEMMs run as a policy's forward (one leaf each); each
+    # paced row has its own chain and syncer, hence its own hooks, since the rows alternate. Timed alone with the
+    # hooks on (the GPU-bound chain should hide their host time), then with the sync in ``slices`` parts, one every
+    # gemms/slices GEMMs once learned (run 8's pace probe: 15 parts, one per 4 GEMMs)
     paced_ref = Chain(ref.ps, a, b, gemms)
     paced = []
     for name, engine in [(f"GEMMs + overlapped bf16 sync (copy engines, batched, {slices} slices)", True),
