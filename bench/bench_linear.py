@@ -234,30 +234,48 @@ def _profile(name, fn, device, reps=3):
 
 def _shape(B, T, D, V, dtype, device, chunks):
     """The run's shape, as every JSON of this suite records it."""
-    return {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device, "chunk_bytes": chunks}
+    return {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device, "chunk_bytes": chunks,
+            "timing": {"rounds": TIMING[0], "calls_a_round": TIMING[1], "how": "common.interleaved, CUDA events"}}
 
 
 def _time_cases(cases, h, w, quick, progress=""):
-    """Rows ``{impl, ms, ratio_to_gemm, peak_extra_GiB, note}``: each case timed after the GEMM floor."""
-    rep = 3 if quick else 20
-    floor_ms, rows = None, []
+    """Rows ``{impl, ms, ratio_to_gemm, spread_pct, peak_extra_GiB, note}``. Each case runs once (a peer that fails
+    gets its note) and once more for its peak memory, one after another; then every runnable case, the GEMM floor
+    among them, is timed in interleaved rounds (``common.interleaved``: CUDA events around each call). Not
+    ``do_bench(rep=20)`` as before run 12: its ``rep`` is milliseconds, so at ~37 ms a call every row was one timed
+    call, and run 11 measured the same floor 36.6 and 38.3 ms in two stages of one call."""
+    rows, fns = [], {}
     for i, (name, fn) in enumerate(cases.items()):
         print(f"[linear{progress} {i + 1}/{len(cases)}] {name}", flush=True)
+        row = {"impl": name, "ms": None, "ratio_to_gemm": None, "spread_pct": None, "peak_extra_GiB": None,
+               "note": fn if isinstance(fn, str) else ""}
+        rows.append(row)
         if isinstance(fn, str):
-            rows.append({"impl": name, "ms": None, "ratio_to_gemm": None, "peak_extra_GiB": None, "note": fn})
             continue
         try:
-            ms = common.time_ms(fn, warmup=2 if quick else 5, rep=rep)
+            fn()
             peak = common.peak_extra_bytes(fn)
-            note = ""
+            row["peak_extra_GiB"] = None if peak is None else peak / GiB
+            fns[name] = fn
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the table
-            ms, peak, note = None, None, f"failed: {type(e).__name__}: {e}"[:160]
-        if name == "lm_head_gemm_fwd_bwd":
-            floor_ms = ms
-        rows.append({"impl": name, "ms": ms, "ratio_to_gemm": (ms / floor_ms) if ms and floor_ms else None,
-                     "peak_extra_GiB": None if peak is None else peak / GiB, "note": note})
+            row["note"] = f"failed: {type(e).__name__}: {e}"[:160]
         h.grad = w.grad = None
+    rounds, calls = (2, 1) if quick else TIMING
+    print(f"[linear{progress}] timing {len(fns)} rows in {rounds} interleaved rounds of {calls} calls", flush=True)
+    ms, by_round = common.interleaved(fns, h.device.type, rounds=rounds, calls=calls)
+    h.grad = w.grad = None
+    floor_ms = ms.get("lm_head_gemm_fwd_bwd")
+    for row in rows:
+        t = ms.get(row["impl"])
+        if t is not None:
+            r = by_round[row["impl"]]
+            row.update(ms=t, ratio_to_gemm=t / floor_ms if floor_ms else None,
+                       spread_pct=100 * (max(r) - min(r)) / t)
     return rows
+
+
+# (rounds, calls a round) on a GPU: each row 15 timed calls, ~0.6 s at the floor's ~37 ms, ~7 s for Liger's GRPO
+TIMING = (5, 3)
 
 
 # the peers and our dense rows compute every position; the design's target is on ours with the supervised tokens

@@ -25,7 +25,6 @@ alike; ``spread_pct`` is a row's range of per-round medians over its median.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from unittest import mock
 
@@ -93,25 +92,6 @@ def bench_copy(device, scale):
     return rows, {"copy_bw_TBps": bw / 1e9, "kernel": ext is not None}
 
 
-def interleaved(fns, device, rounds=6, calls=5):
-    """Median ms of each step in ``fns`` (name -> callable) over ``rounds`` x ``calls`` calls, timed in rounds that
-    run every step ``calls`` times in turn, so that the card's drift (clock, temperature) falls on every row alike
-    instead of on the rows measured last: run 10 (H200) timed the GEMM chain alone 0.8 % slower at the end of the
-    sequential table than at its start, as much as the differences between the rows. Also each step's median in each
-    round (a row's spread)."""
-    for fn in fns.values():  # warm-up: compile, allocate, a paced syncer learns its points
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    times, by_round = {k: [] for k in fns}, {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = common.call_ms([fn] * calls, device)  # CUDA events around each call: the GPU's time for the step
-            times[name] += t
-            by_round[name].append(statistics.median(t))
-    return {k: statistics.median(v) for k, v in times.items()}, by_round
-
-
 def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
     import humanline_kernels as hk
     shapes = layout(scale)
@@ -158,7 +138,7 @@ def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
             fns["GEMMs as the paced policy's forward, hooked, alone"] = chain
         fns[name] = with_sync(syncer, engine, chain)
         paced.append((name, syncer))
-    ms, by_round = interleaved(fns, device, rounds=rounds, calls=calls)
+    ms, by_round = common.interleaved(fns, device, rounds=rounds, calls=calls)
     parts = {name: dict(syncer._pace.issued) for name, syncer in paced}  # where the last step's parts went
     for _, syncer in paced:
         syncer.refresh()  # unhook

@@ -91,6 +91,26 @@ def call_ms(calls, device) -> list[float]:
     return [start.elapsed_time(end) for start, end in ev]
 
 
+def interleaved(fns, device, rounds=6, calls=5):
+    """Median ms of each step in ``fns`` (name -> callable) over ``rounds`` x ``calls`` calls, timed in rounds that
+    run every step ``calls`` times in turn, so that the card's drift (clock, temperature) falls on every row alike
+    instead of on the rows measured last: run 10 (H200) timed bench sync's GEMM chain alone 0.8 % slower at the end
+    of the sequential table than at its start, as much as the differences between the rows, and run 11 timed bench
+    linear's GEMM floor 36.6 and 38.3 ms in two stages of one call. Also each step's median in each round (a row's
+    spread). For steps of tens of ms (``call_ms``)."""
+    for fn in fns.values():  # warm-up: compile, allocate, a paced syncer learns its points
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times, by_round = {k: [] for k in fns}, {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = call_ms([fn] * calls, device)  # CUDA events around each call: the GPU's time for the step
+            times[name] += t
+            by_round[name].append(statistics.median(t))
+    return {k: statistics.median(v) for k, v in times.items()}, by_round
+
+
 def peak_extra_bytes(fn) -> int | None:
     """Peak CUDA memory allocated by ``fn()`` beyond what was allocated before it (None on CPU)."""
     if not torch.cuda.is_available():

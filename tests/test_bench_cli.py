@@ -167,6 +167,30 @@ def test_linear_masks_quick_runs_and_refuses_bad_flags(tmp_path, monkeypatch):
     assert "Traceback" not in r.stderr
 
 
+def test_linear_rows_are_timed_in_interleaved_rounds_after_a_warm_and_a_peak_call(monkeypatch):
+    """``bench linear``'s rows: each case runs once in turn (a warm call and, on CUDA, a peak-memory call; a case that
+    raises gets its note and is not timed), then the runnable ones, the floor among them, in rounds that run every
+    row in turn, so that the ratio to the floor is not one timed call against another (``do_bench(rep=20)`` at ~37 ms
+    a call timed one call a row: run 11's floor 36.6 and 38.3 ms in two stages)."""
+    from bench import bench_linear
+    monkeypatch.setattr(bench_linear, "TIMING", (3, 2))
+    order = []
+
+    def fails():
+        order.append("bad")
+        raise RuntimeError("no kernel")
+    cases = {"lm_head_gemm_fwd_bwd": lambda: order.append("floor"), "ours_dpo": lambda: order.append("ours"),
+             "peer": "unavailable: not installed", "broken": fails}
+    h, w = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    rows = {r["impl"]: r for r in bench_linear._time_cases(cases, h, w, quick=False)}
+    # (on the CPU there is no peak-memory call: ``common.peak_extra_bytes`` is None without CUDA)
+    assert order == ["floor", "ours", "bad"] + ["floor", "ours"] + ["floor", "floor", "ours", "ours"] * 3
+    assert rows["lm_head_gemm_fwd_bwd"]["ratio_to_gemm"] == 1 and rows["ours_dpo"]["ms"] > 0
+    assert rows["ours_dpo"]["spread_pct"] >= 0 and rows["ours_dpo"]["ratio_to_gemm"] > 0
+    assert rows["peer"]["ms"] is None and rows["peer"]["note"] == "unavailable: not installed"
+    assert rows["broken"]["ms"] is None and rows["broken"]["note"] == "failed: RuntimeError: no kernel"
+
+
 def test_linear_profile_quick_lists_each_rows_work_and_refuses_unknown_rows(tmp_path, monkeypatch):
     """``python -m bench linear --profile``: each named row's work per call, a total row first that sums the rest;
     a row that is not in the table is a one-line error naming the rows there are."""
@@ -311,13 +335,14 @@ def test_checkpoint_cost_runs_and_refuses_bad_flags(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_sync_overlap_rows_alternate_in_rounds():
-    """``bench sync``'s overlap rows are timed in rounds that run every row in turn (after one warm-up call each),
-    not one row after another: run 10 measured the chain alone 0.8 % slower at the end of a sequential table."""
-    from bench import bench_sync
+def test_interleaved_rows_alternate_in_rounds():
+    """``bench sync``'s overlap rows and ``bench linear``'s rows are timed in rounds that run every row in turn (after
+    one warm-up call each), not one row after another: run 10 measured the chain alone 0.8 % slower at the end of a
+    sequential table."""
+    from bench import common
     order = []
     fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
-    ms, by_round = bench_sync.interleaved(fns, "cpu", rounds=3, calls=2)
+    ms, by_round = common.interleaved(fns, "cpu", rounds=3, calls=2)
     assert order == list("abc") + list("aabbcc") * 3
     assert set(ms) == set("abc") and all(len(v) == 3 for v in by_round.values())
 
