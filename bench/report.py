@@ -89,32 +89,48 @@ def _logits_table(d):
     return _table(head, body)
 
 
-def _logits(d, run):
+def _logits(d, run, quack=""):
     m = d["meta"]
     text = (f"**Logits path** ({_where(d['env'], run)}): N = {m['N']} tokens, {m['dtype']}, forward + backward; "
             f"median time and its ratio to the 3-pass floor (the logits read in the forward, read and written in the "
             f"backward, at the copy bandwidth measured in the same run, {m['copy_bandwidth_TBps']:.2f} TB/s; rows "
             f"that form the gradient in the forward against the 2-pass floor); peak memory beyond the inputs, the "
             f"gradient of the logits included.\n\n{_logits_table(d)}")
-    q = _load(run, os.path.join("quack", "logits.json"))  # quack's rows: a call of their own (its wheels' carry)
-    if q is not None:
-        text += (f"\n\nquack beside ours and Liger, measured in a second call on the same machine with its own floors "
-                 f"({_where(q['env'], run + '/quack')}; copy bandwidth {q['meta']['copy_bandwidth_TBps']:.2f} TB/s):"
-                 f"\n\n{_logits_table(q)}")
+    text += f"\n\n{quack}" if quack else ""
     return text + _plot(run, "logits", "logits path: ratio to the floor by vocabulary")
+
+
+def _quack(runs, logits_run):
+    """quack's rows (a call of their own, its wheels' carry: ``quack/logits.json``) from the newest run that has
+    them, so that a newer logits run without quack keeps the peer in view, labelled with its own run."""
+    for run in runs:
+        q = _load(run, os.path.join("quack", "logits.json"))
+        if q is not None:
+            when = ("in a second call on the same machine" if run == logits_run else
+                    "in an earlier run, with ours beside it in the same call")
+            where = _where(q["env"], run + "/quack")
+            bw = q["meta"]["copy_bandwidth_TBps"]
+            return (f"quack beside ours and Liger, measured {when}, with its own floors ({where}; copy bandwidth "
+                    f"{bw:.2f} TB/s):\n\n{_logits_table(q)}")
+    return ""
 
 
 def _linear(d, run):
     m = d["meta"]
+    spread = "timing" in m  # interleaved rounds (run 12 on): each row's spread beside its time
     body = [[f"`{r['impl']}`", _ms(r["ms"]), _x(r["ratio_to_gemm"]),
+             *([f"{r['spread_pct']:.1f} %" if r.get("spread_pct") is not None else ""] if spread else []),
              "" if r["peak_extra_GiB"] is None else f"{r['peak_extra_GiB']:.2f}", r.get("note") or ""]
             for r in d["rows"]]
+    head = ["impl", "time", "x GEMM floor", *(["spread"] if spread else []), "peak extra GiB", "note"]
+    timing = (f"; the rows timed interleaved in {m['timing']['rounds']} rounds of {m['timing']['calls_a_round']} "
+              f"calls, each row's spread the range of its per-round medians over its median" if spread else "")
     budgets = ", ".join(f"{b / 2**20:.0f} MiB" for b in m.get("chunk_bytes", []))
     return (f"**Fused linear** ({_where(d['env'], run)}): N = {m['N']} tokens ({m['B']} x {m['T']}), D = {m['D']}, "
             f"V = {m['V']}, {m['dtype'].replace('torch.', '')}, forward + backward from the hidden states and the "
             f"lm_head weight; ratio to the bare lm_head GEMM forward + backward measured in the same run (the floor, "
             f"6 N D V flops); peak memory beyond the inputs, the returned gradients included; our chunk budget "
-            f"{budgets}.\n\n{_table(['impl', 'time', 'x GEMM floor', 'peak extra GiB', 'note'], body)}"
+            f"{budgets}{timing}.\n\n{_table(head, body)}"
             + _plot(run, "linear", "fused linear: ratio to the GEMM floor"))
 
 
@@ -135,9 +151,10 @@ def _masks(d, run):
     target = (f" Target: `{t['impl']}` at most {t['ratio_to_gemm']}x at {t['ignored_pct']} % ignored: "
               f"{'met' if m.get('target_met') else 'missed'}." if t else "")
     return (f"**Supervised tokens only** ({_where(d['env'], run)}): N = {m['N']} ({m['B']} x {m['T']}), "
-            f"D = {m['D']}, V = {m['V']}, {m['dtype'].replace('torch.', '')}, the first 0 / 50 / 75 % of every row "
-            f"ignored; time and its ratio to the dense lm_head GEMM forward + backward over all N positions, "
-            f"measured in the same run; `(supervised)` rows run the lm_head on the supervised positions only.{target}"
+            f"D = {m['D']}, V = {m['V']}, {m['dtype'].replace('torch.', '')}, the first "
+            f"{' / '.join(map(str, pcts))} % of every row ignored; time and its ratio to the dense lm_head GEMM "
+            f"forward + backward over all N positions, measured in the same run; `(supervised)` rows run the lm_head "
+            f"on the supervised positions only.{target}"
             f"\n\n{_table(['impl', *[f'{p} % ignored' for p in pcts], 'note'], body)}"
             + _plot(run, "linear_masks", "supervised tokens: ratio to the dense GEMM floor"))
 
@@ -164,11 +181,16 @@ def _sync(found, _run):
                         "tokens)")):
         d, where = found.get(name) or (None, None)
         if d:
-            body = [[f"`{r['impl']}`", _ms(r["ms"]), "" if r.get("added_pct") is None else f"{r['added_pct']:+.1f} %"]
+            spread = any(r.get("spread_pct") is not None for r in d["rows"])  # interleaved rounds (run 11 on)
+            body = [[f"`{r['impl']}`", _ms(r["ms"]), "" if r.get("added_pct") is None else f"{r['added_pct']:+.1f} %",
+                     *([f"{r['spread_pct']:.1f} %" if r.get("spread_pct") is not None else ""] if spread else [])]
                     for r in d["rows"]]
             other = "" if where == run else f" ({_where(d['env'], where)})"
-            out.append(f"Sync overlapped with compute{other}: {what.format(**d['meta'])}.\n\n"
-                       + _table(["what", "time", "added to the step"], body))
+            rounds = (f"; the rows timed interleaved in {d['meta']['rounds']} rounds, each row's spread the range of "
+                      f"its per-round medians over its median (an added time under the spread is not told apart "
+                      f"from none)" if spread else "")
+            out.append(f"Sync overlapped with compute{other}: {what.format(**d['meta'])}{rounds}.\n\n"
+                       + _table(["what", "time", "added to the step", *(["spread"] if spread else [])], body))
     return "\n\n".join(out)
 
 
@@ -250,7 +272,7 @@ def render(runs):
         for k, run in enumerate(runs):
             d = _find(run, files)
             if d is not None:
-                parts.append(fmt(d, run))
+                parts.append(_logits(d, run, _quack(runs[k:], run)) if fmt is _logits else fmt(d, run))
                 if title == "end to end":  # arms the newest run left out (the TRL arms) from the newest that has them
                     parts += _older_e2e(d, runs[k + 1:], files)
                 break

@@ -56,6 +56,22 @@ def test_report_adds_quack_and_the_arms_the_newest_e2e_lacks():
     assert alone.count("**End to end**") == 1 and "quack beside" not in alone
 
 
+def test_report_keeps_an_earlier_quack_table_and_shows_what_a_newer_run_measured():
+    """Run 11 (H200) ran no quack call: its logits section keeps run 9's quack table, labelled with run 9's folder
+    as an earlier run; its supervised-tokens prose names the two ignored fractions it measured (0 and 50 %, not
+    75 %); its sync rows were timed interleaved, so each shows its spread, which run 10's sequential rows lack."""
+    eleven, ten, nine = ("bench/results/2026-11-28-h200-run11", "bench/results/2026-11-28-h200-run10",
+                         "bench/results/2026-11-28-h200-run9")
+    text = report.render([eleven, nine])
+    assert f"`{eleven}`): N = 8192 tokens" in text and f"`{nine}/quack`" in text
+    assert "measured in an earlier run" in text
+    assert text.index("quack beside") < text.index(f"]({eleven}/logits.png)")
+    assert "the first 0 / 50 % of every row ignored" in report._wrap(text).replace("\n", " ")
+    assert "| what | time | added to the step | spread |" in text
+    assert "| what | time | added to the step |\n" in report.render([ten])
+    assert "measured in a second call on the same machine" in report.render([nine])
+
+
 def test_demo_table_is_written_from_its_record():
     from humanline_kernels import demo
     path, content = _block("demo-table")
