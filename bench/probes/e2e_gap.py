@@ -15,10 +15,16 @@ batches are not packed, so the function's answer is None anyway), and nvidia-smi
 each arm's timed steps (the H200's GEMMs run at its power cap: run 8's clock probe, throttle reason 0x4), so that a
 slow arm shows whether it ran at a lower clock. And the lookahead without its window forward's mode switch
 (``eval()`` before, each submodule's mode restored after, the FSDP2 reshard scan: ~1.6-2.6 ms of host time a step
-for this model's 215 modules on a CI-class CPU), in case that host time is what the GPU waits for."""
+for this model's 215 modules on a CI-class CPU), in case that host time is what the GPU waits for.
+
+After run 11 (H200, two samples): the gap stays without the mask sync and without the mode switch; what separates
+offline_ref from every other arm is the SM clock at the power cap (1883-1902 MHz against 1819-1884). ``--lr 1e-7``
+leaves every bf16 weight as it is (each AdamW update under half an ulp), so every arm runs on theta_0's data: if the
+arms then tie, the gap was their weights' power draw, not work they add."""
 import argparse
 import contextlib
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -135,10 +141,15 @@ def setup(p, a):
     a bad flag is answered by ``p.error``. Shared with e2e_profile.py."""
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
+    lr = getattr(a, "lr", None)
+    if lr is not None and not (lr > 0 and math.isfinite(lr)):
+        p.error(f"--lr must be a positive number, got {lr}")
     if not a.quick and not torch.cuda.is_available():
         p.error("the full size needs a CUDA device; --quick is the CPU smoke run")
     E.torch, E.common = torch, common  # bench e2e's main() sets these after reading its flags
     cfg = dict(E.QUICK if a.quick else E.FULL, steps=a.steps, slices=16, supervised=False)
+    if lr is not None:
+        cfg["lr"] = lr
     return cfg, *(("cpu", torch.float32) if a.quick else ("cuda", torch.bfloat16))
 
 
@@ -146,6 +157,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU (a smoke run)")
     p.add_argument("--steps", type=int, default=25, help="timed steps an arm (default 25)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate (default bench e2e's); 1e-7 leaves bf16 weights unchanged, so every arm "
+                        "runs on the same data")
     a = p.parse_args(argv)
     cfg, device, dtype = setup(p, a)
     smi = Smi() if device == "cuda" and shutil.which("nvidia-smi") else None
