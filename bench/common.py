@@ -1,6 +1,8 @@
 """Shared benchmark helpers: timing, peak memory, copy-bandwidth floor, environment record, JSON/PNG/table output.
 
-Timings are medians of ``triton.testing.do_bench`` on CUDA; on CPU (smoke runs only) a plain median of wall times.
+Timings are medians of ``triton.testing.do_bench`` on CUDA for calls of a few ms (its ``warmup`` and ``rep`` are
+milliseconds: a 37 ms call at ``rep=20`` is timed once), and of CUDA events around each call in interleaved rounds
+(``call_ms``, ``interleaved``) for calls of tens of ms; on CPU (smoke runs only) a plain median of wall times.
 """
 from __future__ import annotations
 
