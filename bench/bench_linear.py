@@ -192,7 +192,8 @@ def main(argv=None):
                     _shape(B, T, D, V, dtype, device, chunks), a.out, y="ms_per_call")
         return 0
     rows = _time_cases(_cases(h, w, y, ref, adv, chunks, a.quick), h, w, a.quick)
-    meta = {**_shape(B, T, D, V, dtype, device, chunks), "flops_floor": 6 * B * T * D * V,
+    meta = {**_shape(B, T, D, V, dtype, device, chunks), "timing": _timing(a.quick)[2],
+            "flops_floor": 6 * B * T * D * V,
             "dW_bytes(param dtype)": V * D * w.element_size(),
             "note": "peak_extra_GiB: peak allocated during fwd+bwd beyond what existed before, including the "
                     "returned grads (h.grad, w.grad); ours accumulates dW in the weight's dtype (no fp32 [V, D])"}
@@ -234,8 +235,13 @@ def _profile(name, fn, device, reps=3):
 
 def _shape(B, T, D, V, dtype, device, chunks):
     """The run's shape, as every JSON of this suite records it."""
-    return {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device, "chunk_bytes": chunks,
-            "timing": {"rounds": TIMING[0], "calls_a_round": TIMING[1], "how": "common.interleaved, CUDA events"}}
+    return {"N": B * T, "B": B, "T": T, "D": D, "V": V, "dtype": str(dtype), "device": device, "chunk_bytes": chunks}
+
+
+def _timing(quick):
+    """(rounds, calls a round) of ``_time_cases``, and how it is recorded in a timed run's JSON."""
+    rounds, calls = (2, 1) if quick else TIMING
+    return rounds, calls, {"rounds": rounds, "calls_a_round": calls, "how": "common.interleaved (CUDA events)"}
 
 
 def _time_cases(cases, h, w, quick, progress=""):
@@ -260,7 +266,7 @@ def _time_cases(cases, h, w, quick, progress=""):
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the table
             row["note"] = f"failed: {type(e).__name__}: {e}"[:160]
         h.grad = w.grad = None
-    rounds, calls = (2, 1) if quick else TIMING
+    rounds, calls, _ = _timing(quick)
     print(f"[linear{progress}] timing {len(fns)} rows in {rounds} interleaved rounds of {calls} calls", flush=True)
     ms, by_round = common.interleaved(fns, h.device.type, rounds=rounds, calls=calls)
     h.grad = w.grad = None
@@ -296,7 +302,8 @@ def _run_masks(B, T, D, V, dtype, device, chunks, ignored, quick, out):
         del h, w, y, ref, adv, cases
     t = MASK_TARGET
     hit = [r for r in rows if r["impl"] == t["impl"] and r["ignored_pct"] == t["ignored_pct"]]
-    meta = {**_shape(B, T, D, V, dtype, device, chunks), "ignored_pct": ignored, "flops_floor_dense": 6 * B * T * D * V,
+    meta = {**_shape(B, T, D, V, dtype, device, chunks), "timing": _timing(quick)[2], "ignored_pct": ignored,
+            "flops_floor_dense": 6 * B * T * D * V,
             "target": t, "target_met": (hit[0]["ratio_to_gemm"] <= t["ratio_to_gemm"])
             if hit and hit[0]["ratio_to_gemm"] else None,
             "note": "ratio_to_gemm: time / the dense lm_head GEMM fwd+bwd over all B*T positions (the same floor at "

@@ -162,6 +162,7 @@ def test_linear_masks_quick_runs_and_refuses_bad_flags(tmp_path, monkeypatch):
         names = {r["impl"] for r in rows if r["ignored_pct"] == pct and r["ms"]}
         assert {"lm_head_gemm_fwd_bwd", "ours_dpo", "ours_dpo(supervised)", "ours_grpo(supervised)"} <= names
     assert data["meta"]["target"] == {"impl": "ours_dpo(supervised)", "ignored_pct": 50, "ratio_to_gemm": 0.55}
+    assert data["meta"]["timing"]["rounds"] == 2 and all(r["spread_pct"] is not None for r in rows if r["ms"])
     r = _bench("linear", "--quick", "--ignored", "100")
     assert r.returncode == 2 and len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
     assert "Traceback" not in r.stderr
