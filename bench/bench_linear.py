@@ -192,7 +192,7 @@ def main(argv=None):
                     _shape(B, T, D, V, dtype, device, chunks), a.out, y="ms_per_call")
         return 0
     rows = _time_cases(_cases(h, w, y, ref, adv, chunks, a.quick), h, w, a.quick)
-    meta = {**_shape(B, T, D, V, dtype, device, chunks), "timing": _timing(a.quick)[2],
+    meta = {**_shape(B, T, D, V, dtype, device, chunks), "timing": _timing(a.quick),
             "flops_floor": 6 * B * T * D * V,
             "dW_bytes(param dtype)": V * D * w.element_size(),
             "note": "peak_extra_GiB: peak allocated during fwd+bwd beyond what existed before, including the "
@@ -239,9 +239,9 @@ def _shape(B, T, D, V, dtype, device, chunks):
 
 
 def _timing(quick):
-    """(rounds, calls a round) of ``_time_cases``, and how it is recorded in a timed run's JSON."""
+    """How ``_time_cases`` times its rows, as a timed run's JSON records it."""
     rounds, calls = (2, 1) if quick else TIMING
-    return rounds, calls, {"rounds": rounds, "calls_a_round": calls, "how": "common.interleaved (CUDA events)"}
+    return {"rounds": rounds, "calls_a_round": calls, "how": "common.interleaved (CUDA events)"}
 
 
 def _time_cases(cases, h, w, quick, progress=""):
@@ -266,9 +266,10 @@ def _time_cases(cases, h, w, quick, progress=""):
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the table
             row["note"] = f"failed: {type(e).__name__}: {e}"[:160]
         h.grad = w.grad = None
-    rounds, calls, _ = _timing(quick)
-    print(f"[linear{progress}] timing {len(fns)} rows in {rounds} interleaved rounds of {calls} calls", flush=True)
-    ms, by_round = common.interleaved(fns, h.device.type, rounds=rounds, calls=calls)
+    how = _timing(quick)
+    print(f"[linear{progress}] timing {len(fns)} rows in {how['rounds']} interleaved rounds of "
+          f"{how['calls_a_round']} calls", flush=True)
+    ms, by_round = common.interleaved(fns, h.device.type, rounds=how["rounds"], calls=how["calls_a_round"])
     h.grad = w.grad = None
     floor_ms = ms.get("lm_head_gemm_fwd_bwd")
     for row in rows:
@@ -302,7 +303,7 @@ def _run_masks(B, T, D, V, dtype, device, chunks, ignored, quick, out):
         del h, w, y, ref, adv, cases
     t = MASK_TARGET
     hit = [r for r in rows if r["impl"] == t["impl"] and r["ignored_pct"] == t["ignored_pct"]]
-    meta = {**_shape(B, T, D, V, dtype, device, chunks), "timing": _timing(quick)[2], "ignored_pct": ignored,
+    meta = {**_shape(B, T, D, V, dtype, device, chunks), "timing": _timing(quick), "ignored_pct": ignored,
             "flops_floor_dense": 6 * B * T * D * V,
             "target": t, "target_met": (hit[0]["ratio_to_gemm"] <= t["ratio_to_gemm"])
             if hit and hit[0]["ratio_to_gemm"] else None,

@@ -60,6 +60,20 @@ def _where(env, run):
             f"{', '.join(peers)}; `{run}`")
 
 
+SPREAD = "each row's spread the range of its per-round medians over its median"
+
+
+def _add_spread(head, body, rows, at):
+    """A spread column at index ``at`` when ``rows`` were timed in interleaved rounds (``common.interleaved``: bench
+    sync from run 11, bench linear from run 12); True if added."""
+    if not any(r.get("spread_pct") is not None for r in rows):
+        return False
+    head.insert(at, "spread")
+    for cells, r in zip(body, rows):
+        cells.insert(at, "" if r.get("spread_pct") is None else f"{r['spread_pct']:.1f} %")
+    return True
+
+
 def _plot(run, name, alt):
     return f"\n\n![{alt}]({run}/{name}.png)" if os.path.exists(os.path.join(ROOT, run, f"{name}.png")) else ""
 
@@ -117,14 +131,12 @@ def _quack(runs, logits_run):
 
 def _linear(d, run):
     m = d["meta"]
-    spread = "timing" in m  # interleaved rounds (run 12 on): each row's spread beside its time
     body = [[f"`{r['impl']}`", _ms(r["ms"]), _x(r["ratio_to_gemm"]),
-             *([f"{r['spread_pct']:.1f} %" if r.get("spread_pct") is not None else ""] if spread else []),
              "" if r["peak_extra_GiB"] is None else f"{r['peak_extra_GiB']:.2f}", r.get("note") or ""]
             for r in d["rows"]]
-    head = ["impl", "time", "x GEMM floor", *(["spread"] if spread else []), "peak extra GiB", "note"]
+    head = ["impl", "time", "x GEMM floor", "peak extra GiB", "note"]
     timing = (f"; the rows timed interleaved in {m['timing']['rounds']} rounds of {m['timing']['calls_a_round']} "
-              f"calls, each row's spread the range of its per-round medians over its median" if spread else "")
+              f"calls, {SPREAD}" if _add_spread(head, body, d["rows"], 3) else "")
     budgets = ", ".join(f"{b / 2**20:.0f} MiB" for b in m.get("chunk_bytes", []))
     return (f"**Fused linear** ({_where(d['env'], run)}): N = {m['N']} tokens ({m['B']} x {m['T']}), D = {m['D']}, "
             f"V = {m['V']}, {m['dtype'].replace('torch.', '')}, forward + backward from the hidden states and the "
@@ -181,16 +193,14 @@ def _sync(found, _run):
                         "tokens)")):
         d, where = found.get(name) or (None, None)
         if d:
-            spread = any(r.get("spread_pct") is not None for r in d["rows"])  # interleaved rounds (run 11 on)
-            body = [[f"`{r['impl']}`", _ms(r["ms"]), "" if r.get("added_pct") is None else f"{r['added_pct']:+.1f} %",
-                     *([f"{r['spread_pct']:.1f} %" if r.get("spread_pct") is not None else ""] if spread else [])]
+            body = [[f"`{r['impl']}`", _ms(r["ms"]), "" if r.get("added_pct") is None else f"{r['added_pct']:+.1f} %"]
                     for r in d["rows"]]
+            head = ["what", "time", "added to the step"]
             other = "" if where == run else f" ({_where(d['env'], where)})"
-            rounds = (f"; the rows timed interleaved in {d['meta']['rounds']} rounds, each row's spread the range of "
-                      f"its per-round medians over its median (an added time under the spread is not told apart "
-                      f"from none)" if spread else "")
+            rounds = (f"; the rows timed interleaved in {d['meta']['rounds']} rounds, {SPREAD} (an added time under "
+                      f"the spread is not told apart from none)" if _add_spread(head, body, d["rows"], 3) else "")
             out.append(f"Sync overlapped with compute{other}: {what.format(**d['meta'])}{rounds}.\n\n"
-                       + _table(["what", "time", "added to the step", *(["spread"] if spread else [])], body))
+                       + _table(head, body))
     return "\n\n".join(out)
 
 

@@ -70,6 +70,16 @@ def test_report_keeps_an_earlier_quack_table_and_shows_what_a_newer_run_measured
     assert "| what | time | added to the step | spread |" in text
     assert "| what | time | added to the step |\n" in report.render([ten])
     assert "measured in a second call on the same machine" in report.render([nine])
+    # bench linear's rows timed in rounds (run 12 on): the spread after the ratio, the rounds in the prose
+    with open(os.path.join(ROOT, eleven, "linear.json"), encoding="utf-8") as f:
+        d = json.load(f)
+    assert "| impl | time | x GEMM floor | peak extra GiB | note |" in report._linear(d, eleven)
+    for r in d["rows"]:
+        r["spread_pct"] = 1.0 if r["ms"] else None
+    d["meta"]["timing"] = {"rounds": 5, "calls_a_round": 3}
+    text = report._linear(d, eleven)
+    assert "| impl | time | x GEMM floor | spread | peak extra GiB | note |" in text
+    assert "| `ours_dpo` | 37.6 ms | 1.03x | 1.0 % | 0.51 |  |" in text and "in 5 rounds of 3 calls" in text
 
 
 def test_demo_table_is_written_from_its_record():
