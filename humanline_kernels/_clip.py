@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["HumanlineClip", "DEFAULT_CLIP"]
+import torch
+
+__all__ = ["HumanlineClip", "DEFAULT_CLIP", "clamp_band"]
 
 
 @dataclass(frozen=True)
@@ -12,8 +14,9 @@ class HumanlineClip:
     """Asymmetric clamp of each token's log-ratio ``log pi(y_t) - log pi_ref(y_t)`` to ``[log_eps_p, log_eps_r]``.
 
     The defaults (-1.5, 1.5) are the paper's best setting for DPO, KTO and GRPO. (The authors' HALOs repository
-    defaults ``log_epsilon_P`` to -1.0.) The gradient is zero outside the band and passes at its ends, as with
-    ``torch.clamp``. Pass ``clip=None`` to a loss to turn clipping off.
+    defaults ``log_epsilon_P`` to -1.0.) The gradient is zero outside the band and 1 on it, its ends included
+    (:func:`clamp_band`), whatever the installed torch's ``clamp`` does there. Pass ``clip=None`` to a loss to turn
+    clipping off.
 
     The band must hold 0 (``log_eps_p <= 0 <= log_eps_r``): one that excludes it clamps every token of a policy
     equal to its reference (each step right after a sync) to a constant, with zero gradient, so that step does not
@@ -41,3 +44,16 @@ class HumanlineClip:
 
 
 DEFAULT_CLIP = HumanlineClip()
+
+
+def clamp_band(x, lo=None, hi=None):
+    """``clamp(x, lo, hi)`` (either bound may be None) whose gradient is 1 on the closed band, its ends included, and
+    0 outside; NaN stays NaN. Every eager clamp of this package that carries a gradient goes through it, as the
+    kernels do: torch.clamp's own backward at a bound is 1 up to torch 2.13, and 0 (or 0.5 with tensor bounds)
+    from torch 2.14."""
+    out = x
+    if lo is not None:
+        out = torch.where(x < lo, lo, out)
+    if hi is not None:
+        out = torch.where(x > hi, hi, out)
+    return out

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._clip import clamp_band
+
 
 class Rows(NamedTuple):
     """Per-row quantities of a batch of sequences (``[B]`` each): ``s = sum_t m w Delta_hat`` (``w`` LD-DPO's
@@ -56,7 +58,7 @@ def f_divergence_score(logratio, f_divergence_type, alpha):
     if f_divergence_type == "js_divergence":
         return math.log(2.0) + F.logsigmoid(logratio)  # f'(u) = log(2u / (1 + u))
     # alpha_divergence: f'(u) = (u^(alpha-1) - 1) / (alpha - 1); TRL caps the exponent at 80 so exp stays finite
-    t = torch.clamp((alpha - 1.0) * logratio, max=80.0)
+    t = clamp_band((alpha - 1.0) * logratio, hi=80.0)
     return (torch.exp(t) - 1.0) / (alpha - 1.0)
 
 

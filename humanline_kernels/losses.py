@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import _layout as L
 from . import _objectives as O
 from . import _validation as V
-from ._clip import DEFAULT_CLIP
+from ._clip import DEFAULT_CLIP, clamp_band
 from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC
 
 __all__ = ["dpo", "kto", "grpo", "ipo", "simpo", "slic", "sequence_logratios", "compute", "clip_log_ratio",
@@ -46,7 +46,7 @@ def clip_log_ratio(logps, ref_logps, mask, clip):
     if clip is None:
         clipped, inside = delta, mask
     else:
-        clipped = torch.clamp(delta, clip.log_eps_p, clip.log_eps_r)
+        clipped = clamp_band(delta, clip.log_eps_p, clip.log_eps_r)
         inside = mask & (delta > clip.log_eps_p) & (delta < clip.log_eps_r)
     clipped = torch.where(mask, clipped, 0.0)
     return clipped, inside.sum().to(logps.dtype), mask.sum().to(logps.dtype)
@@ -158,8 +158,8 @@ def grpo_policy_term(logps, log_w, A, mask, *, loss_type="dapo", epsilon_low=0.2
     if loss_type == "sapo":  # a soft gate instead of the clip: no clipped tokens to count
         tau = torch.where(A > 0, A.new_tensor(sapo_temperature_pos), A.new_tensor(sapo_temperature_neg))
         return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * A, none, none
-    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    u = -torch.minimum(A * capped, A * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
+    capped = ratio if delta is None else clamp_band(ratio, hi=delta)
+    u = -torch.minimum(A * capped, A * clamp_band(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
     with torch.no_grad():
         low = mask & (capped < 1.0 - epsilon_low) & (A < 0)
         high = mask & (capped > 1.0 + epsilon_high) & (A > 0)

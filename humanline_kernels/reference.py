@@ -65,6 +65,22 @@ def _masked_ratio(num, den):
     return torch.where(den > 0, num / den.clamp(min=1), torch.ones_like(num))
 
 
+def _clamp(x, lo=None, hi=None):
+    """``clamp(x, lo, hi)`` with gradient ``1[lo <= x <= hi]``: the band's ends pass it. Written as an explicit
+    inclusive mask, not through torch.clamp, whose gradient at a bound is 0 (or 0.5) from torch 2.14."""
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if lo is not None:
+        inside = inside & ~(x < lo)
+    if hi is not None:
+        inside = inside & ~(x > hi)
+    bounded = x.detach()
+    if lo is not None:
+        bounded = torch.where(bounded < lo, lo, bounded)
+    if hi is not None:
+        bounded = torch.where(bounded > hi, hi, bounded)
+    return torch.where(inside, x, bounded)
+
+
 def _clip_counts(logps, ref_logps, mask, clip):
     """``(Delta_hat, n_inside, n)``: the clamped log-ratio (0 where masked out), the masked tokens strictly inside
     the band (all masked tokens without clipping) and the masked tokens, both in ``logps.dtype``."""
@@ -72,7 +88,7 @@ def _clip_counts(logps, ref_logps, mask, clip):
     if clip is None:
         clipped, inside = delta, mask
     else:
-        clipped = torch.clamp(delta, clip.log_eps_p, clip.log_eps_r)
+        clipped = _clamp(delta, clip.log_eps_p, clip.log_eps_r)
         inside = mask & (delta > clip.log_eps_p) & (delta < clip.log_eps_r)
     clipped = torch.where(mask, clipped, 0.0)
     return clipped, inside.sum().to(logps.dtype), mask.sum().to(logps.dtype)
@@ -440,8 +456,8 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
         phi = _vespo_weights(clipped, mask, A, importance_sampling_ratio, **vespo)
         per_token = -phi * A * policy_logps
     else:
-        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-        per_token = -torch.minimum(A * capped, A * torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
+        capped = ratio if delta is None else _clamp(ratio, hi=delta)
+        per_token = -torch.minimum(A * capped, A * _clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high))
         low = mask & (capped < 1.0 - epsilon_low) & (A < 0)
         high = mask & (capped > 1.0 + epsilon_high) & (A > 0)
     if off_policy_mask_threshold is not None:

@@ -7,8 +7,8 @@ For each row ``r = (b, t)`` the kernel finds ``lse`` and ``l = z_y - lse`` (onli
 * ``MODE == 2`` (GRPO): ``rho = exp(Dh)``, ``u = -min(A rho, A clamp(rho, 1 - e_lo, 1 + e_hi))`` (``A`` the row's
   advantage, or the token's: advantages ``[B]`` are read with a zero token stride, ``[B, T]`` with their own),
   ``k3 = exp(x) - x - 1`` with ``x = l_kl - l``; ``val = m (u + beta k3)`` and
-  ``coef = m (-A rho [A rho <= A clamp(rho)] [p <= D <= r] + beta (1 - exp(x)))`` (torch's tie rules for
-  ``min`` and ``clamp`` give exactly this).
+  ``coef = m (-A rho [A rho <= A clamp(rho)] [p <= D <= r] + beta (1 - exp(x)))``: both clamps pass the
+  gradient at their bounds, as the eager paths' :func:`humanline_kernels._clip.clamp_band` does.
 
 ``aux [4, N]`` fp32 (planes ``N`` apart; ``[5, N]`` for GRPO) holds ``[p < D < r]``, then for GRPO the low/high
 clip indicators, ``k3`` (metrics only) and the log-prob ``m * l``, for ``MODE == 1`` the masked log-prob ``m * l``
