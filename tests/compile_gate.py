@@ -57,6 +57,9 @@ GIF_VARIANTS = ("none", "rows new", "rows inplace", "persistent rows new", "pers
                 "persistent shared inplace")
 
 
+# the compiler options a launch of ours states instead of leaving them to Triton's defaults
+_OPTIONS = ("enable_fp_fusion", "num_warps")
+
 PTXAS_LOGS = {}  # id(compiled kernel) -> the ptxas -v log of Triton's own build of it (the kernels stay alive)
 
 
@@ -531,6 +534,8 @@ def main(argv=None):
                    "launches a kernel (distinct pointer dtypes and integer classes)")
     p.add_argument("--shard", default="0/1", help="I/K: compile the I-th of K shares of the cases and derived "
                    "variants (every shard records every case's launches, so all derive the same variants)")
+    p.add_argument("--record-only", action="store_true", help="compile nothing: print each case's launches "
+                   "(kernel and the launch options it states) as {\"launches\": [...]}")
     a = p.parse_args(argv)
     shard, shards = (int(x) for x in a.shard.split("/"))
     compiled, launches = [], []
@@ -540,11 +545,19 @@ def main(argv=None):
         if a.only and a.only not in name:
             continue
         launches.clear()
-        _OTHER_SHARD[0] = j % shards != shard
+        _OTHER_SHARD[0] = a.record_only or j % shards != shard
         out = _compile(name, call, compiled, [] if _OTHER_SHARD[0] else failures)
         results += [(name, aligned, kname, k) for kname, k in out]
         recorded += [(k, kw, g, aligned) for k, kw, g in launches]
+        for k, kw, _ in launches:  # a Triton upgrade must not change a result unseen (its defaults move)
+            if "enable_fp_fusion" not in kw and not _OTHER_SHARD[0]:
+                failures.append({"case": name, "kernel": k.fn.__name__,
+                                 "error": "the launch leaves enable_fp_fusion to Triton's default"})
     _OTHER_SHARD[0] = False
+    if a.record_only:
+        print(json.dumps({"launches": [{"kernel": k.fn.__name__, "options": {o: kw[o] for o in _OPTIONS if o in kw}}
+                                       for k, kw, _, _ in recorded], "kernels": _all_kernels()}))
+        return 0
     # then every combination of each kernel's switches on its recorded launches: a combination no listed case
     # reaches still compiles on the GPU the day a user reaches it
     derived = [] if a.no_derived else derived_variants(recorded, a.bases)
