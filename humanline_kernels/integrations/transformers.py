@@ -223,7 +223,9 @@ RUN_MARKER = "humanline_kernels"
 
 
 def _mark_run(state, reference):
-    state.stateful_callbacks[RUN_MARKER] = {"reference": reference}
+    callbacks = getattr(state, "stateful_callbacks", None)
+    if isinstance(callbacks, dict):  # (always, in a TrainerState)
+        callbacks[RUN_MARKER] = {"reference": reference}
 
 
 def _marked_run(state):
