@@ -336,6 +336,21 @@ def test_checkpoint_cost_runs_and_refuses_bad_flags(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_checkpoint_checksums_cost_runs(tmp_path):
+    """``python -m bench checkpoint --checksums``: a save and a load per reference dtype, the CRC-32 part of each
+    timed inside them (it ran: a positive part of the whole) over a bf16 file half the fp32 one."""
+    import json
+
+    from bench import bench_checkpoint
+    assert bench_checkpoint.main(["--checksums", "--hidden", "32", "--layers", "1", "--vocab", "64", "--repeat", "1",
+                                  "--out", str(tmp_path)]) == 0
+    rows = {r["reference"]: r for r in json.loads((tmp_path / "checkpoint_checksums.json").read_text())["rows"]}
+    assert set(rows) == {"float32", "bfloat16"}
+    for r in rows.values():
+        assert 0 < r["save_crc_s"] < r["save_s"] and 0 < r["load_crc_s"] < r["load_s"]
+    assert rows["bfloat16"]["file_mib"] == pytest.approx(rows["float32"]["file_mib"] / 2, rel=0.1)
+
+
 def test_interleaved_rows_alternate_in_rounds():
     """``bench sync``'s overlap rows and ``bench linear``'s rows are timed in rounds that run every row in turn (after
     one warm-up call each), not one row after another: run 10 measured the chain alone 0.8 % slower at the end of a

@@ -198,6 +198,16 @@ def test_ends_cleanly_mid_window_and_protocol_errors():
     for bad in ({"step": 1}, [state]):
         with pytest.raises(ValueError, match="state must be a dict with step, every and window_refs"):
             hk.LookaheadReference(_same_init(), data, logps_fn, every=2).load_state_dict(bad)
+    # checked whole before anything is set: a refused state leaves the object as it was
+    good = dict(state, step=1, window_refs=[torch.zeros(2)])
+    for key, value, match in (("step", -1, "step must be an int >= 0"), ("step", "1", "step must be an int"),
+                              ("window_refs", [torch.zeros(2), "x"], "window_refs must be a list of tensors"),
+                              ("window_refs", torch.zeros(2), "window_refs must be a list of tensors"),
+                              ("exhausted", "no", "exhausted must be a bool")):
+        la = hk.LookaheadReference(_same_init(), data, logps_fn, every=2)
+        with pytest.raises(ValueError, match=match):
+            la.load_state_dict(dict(good, **{key: value}))
+        assert la.step == 0 and la._loaded_refs is None and not la._exhausted
 
 
 def test_train_mode_of_every_submodule_is_restored():

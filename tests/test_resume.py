@@ -310,9 +310,16 @@ def test_stock_checkpoint_starts_humanline_with_a_warning(tiny_path, tmp_path):
 
 def test_humanline_checkpoint_without_its_state_is_refused(tiny_path, tmp_path):
     """A checkpoint of a humanline run that has no humanline state (an older version of this package, or the file
-    lost) is refused: its reference cannot be rebuilt."""
+    lost) is refused: its reference cannot be rebuilt. Here one written before the run marker existed (none in its
+    trainer_state.json): its log history tells (tests/test_resume_integrity.py: the marker, with no log line)."""
+    import json
+
+    from humanline_kernels.integrations.transformers import RUN_MARKER
     out, ckpt = _stopped(tiny_path, tmp_path, sync_every=2)
     os.remove(os.path.join(ckpt, "humanline_state.json"))
+    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
+    del state["stateful_callbacks"][RUN_MARKER]
+    json.dump(state, open(os.path.join(ckpt, "trainer_state.json"), "w"))
     tr = _trainer(tiny_path, "dpo", out, 6, 3, (), sync_every=2)
     with pytest.raises(ValueError, match="humanline_state.json is missing.*log history shows a humanline run"):
         tr.train(resume_from_checkpoint=ckpt)

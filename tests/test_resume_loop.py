@@ -197,16 +197,13 @@ _KILLED = textwrap.dedent("""
     run.save({good!r})
     for x in xs[3:5]:
         run.step(x)
-    real = _state._write_tensors
 
-    def slow(path, tensors, fp, skeleton=None):  # the process is killed in the middle of writing the file
-        def write(tmp):
-            with open(tmp, "wb") as f:
-                f.write(b"partial")
-                f.flush()
-                print("WRITING", flush=True)
-                time.sleep(60)
-        _state._atomic(path, write)
+    def slow(path, tensors, file_meta):  # the process is killed in the middle of writing the file
+        with open(path, "wb") as f:
+            f.write(b"partial")
+            f.flush()
+            print("WRITING", flush=True)
+            time.sleep(60)
     _state._write_tensors = slow
     run.save({bad!r})
 """)

@@ -87,10 +87,18 @@ def worker(rank, world, path, out):
         assert torch.equal(a, b), "reference differs from the uninterrupted run's"
     assert actor.humanline.syncs == full[2]
 
-    # a checkpoint without humanline state (verl's own worker's): the reference restarts from the actor, warned
+    # the humanline folder lost: the marker beside it says the checkpoint is a humanline run's, so it is refused
     actor, ref = _engines(path, cfg)
+    assert os.path.isfile(os.path.join(ckpt, "humanline_run.json"))
     if rank == 0:
         os.rename(os.path.join(ckpt, "humanline"), os.path.join(ckpt, "moved"))
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match="humanline_state.json is missing, but .*humanline_run.json marks"):
+        _worker_object(actor, ref).load_checkpoint(ckpt)
+    torch.distributed.barrier()
+    # without the marker too (verl's own worker's checkpoint): the reference restarts from the actor, warned
+    if rank == 0:
+        os.remove(os.path.join(ckpt, "humanline_run.json"))
     torch.distributed.barrier()
     with pytest.warns(UserWarning, match="holds no humanline state"):
         _worker_object(actor, ref).load_checkpoint(ckpt)

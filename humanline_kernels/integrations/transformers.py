@@ -38,7 +38,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
-__all__ = ["HumanlineSyncCallback", "LookaheadTrainerMixin"]
+__all__ = ["HumanlineSyncCallback", "LookaheadTrainerMixin", "RUN_MARKER"]
 
 
 class HumanlineSyncCallback(TrainerCallback):
@@ -63,8 +63,10 @@ class HumanlineSyncCallback(TrainerCallback):
     or epoch's end, where ``control.should_save`` is set; ``on_save`` as the fallback for a save decided later)
     into ``output_dir/checkpoint-<global_step>``, and restored in ``on_train_begin`` when the run resumes
     (``state.global_step > 0``): the reference's weights, the step counter and ``num_syncs``, checked first.
-    A checkpoint without humanline state is refused, except one written by a stock run (no humanline metric in
-    its log history): humanline then starts at the resumed step with the reference as built, with a warning.
+    Every checkpoint's ``trainer_state.json`` also marks the run as a humanline one (:data:`RUN_MARKER`). A
+    checkpoint without humanline state is refused, except one written by a stock run (no marker, no humanline
+    metric in its log history): humanline then starts at the resumed step with the reference as built, with a
+    warning.
     """
 
     def __init__(self, every: int = 1, ref_model=None, overlap: bool = True, adapters=None, save_reference=True,
@@ -111,29 +113,35 @@ class HumanlineSyncCallback(TrainerCallback):
         self._waited = False
         self.num_syncs, self._saved_step = 0, None
         if state.global_step > 0:
-            self._resume(args, state)
+            self._resume(args, state)  # (reads the resumed checkpoint's marker before this run's replaces it)
+        _mark_run(state, "sync")
 
     def _resume(self, args, state):
-        from ..sync._state import MissingHumanlineState, read_humanline_state
+        from ..sync._state import DamagedHumanlineState, MissingHumanlineState, read_humanline_state
         folder = self._resume_folder(args, state)
         try:
             loaded = read_humanline_state(folder, syncer=self.syncer)
+            saved_step, num_syncs = loaded.counter("global_step"), loaded.counter("num_syncs")
         except MissingHumanlineState as e:
-            if any("humanline/num_syncs" in log for log in state.log_history):  # (logged with syncing on only)
-                raise ValueError(f"HumanlineSyncCallback: {e}; its log history shows a humanline run, whose "
-                                 "reference as of its last sync cannot be rebuilt: resuming would train against "
-                                 "another reference") from None
+            marked = _marked_run(state)
+            if marked is not None or any("humanline/num_syncs" in log for log in state.log_history):
+                why = (f"its trainer_state.json marks a humanline run (humanline_reference={marked!r})"
+                       if marked is not None else "its log history shows a humanline run")
+                raise ValueError(f"HumanlineSyncCallback: {e}; but {why}, whose reference as of its last sync "
+                                 f"cannot be rebuilt: resuming would train against another reference. "
+                                 f"{_start_over(folder)}") from None
             warnings.warn(f"HumanlineSyncCallback: {e}. Resuming a stock run with humanline: syncing starts at step "
                           f"{state.global_step} (the first sync at the next multiple of every={self.every}) with the "
                           "reference as built (the initial model)", UserWarning, stacklevel=2)
             self.syncer.load_state_dict({"step": int(state.global_step)})
             return
-        saved_step = loaded.extra.get("global_step")
+        except DamagedHumanlineState as e:
+            raise DamagedHumanlineState(f"HumanlineSyncCallback: {e}. {_start_over(folder)}") from None
         if saved_step != state.global_step:
             raise ValueError(f"HumanlineSyncCallback: {folder} holds the humanline state of global step "
                              f"{saved_step}, the run resumes at step {state.global_step}")
         loaded.apply()
-        self.num_syncs = int(loaded.extra.get("num_syncs", 0))
+        self.num_syncs = num_syncs
 
     def _resume_folder(self, args, state):
         candidates = [self.resume_from, getattr(args, "resume_from_checkpoint", None),
@@ -204,6 +212,35 @@ class HumanlineSyncCallback(TrainerCallback):
 
     def state_dict(self) -> dict:
         return {} if self.syncer is None else self.syncer.state_dict()
+
+
+# Our entry in the stateful_callbacks of trainer_state.json, which transformers writes into every checkpoint and
+# reads back on resume: it marks a humanline run's checkpoints from the first one on, whether anything was logged
+# before it or not, and it stays when the humanline files are lost. Set directly rather than through an
+# ExportableState callback: transformers indexes those by class name at every save and fails on a resumed state
+# that lacks the entry (a stock checkpoint resumed with humanline).
+RUN_MARKER = "humanline_kernels"
+
+
+def _mark_run(state, reference):
+    callbacks = getattr(state, "stateful_callbacks", None)
+    if isinstance(callbacks, dict):  # (always, in a TrainerState)
+        callbacks[RUN_MARKER] = {"reference": reference}
+
+
+def _marked_run(state):
+    """The humanline reference mode the resumed checkpoint records, or None (a stock run's checkpoint, or one
+    written before the marker)."""
+    entry = (getattr(state, "stateful_callbacks", None) or {}).get(RUN_MARKER)
+    if entry is None:
+        return None
+    return entry.get("reference", "unknown") if isinstance(entry, dict) else "unknown"
+
+
+def _start_over(folder):
+    return (f"Resume from a checkpoint whose humanline files are whole, or start over deliberately: a new run from "
+            f"the weights in {folder} (the model loaded from that folder, without resume_from_checkpoint), whose "
+            "reference starts as that policy")
 
 
 def _refuse(cond, msg):
@@ -280,27 +317,32 @@ class LookaheadTrainerMixin:
         self._hk_train_dataloader, self.hk_la, self.hk_la_syncs = train_dataloader, None, 0
         self._hk_loop_iterator = self._hk_loop_epoch = None
         self._hk_resume_dir = resume_from_checkpoint  # the lookahead's state is restored when it is built
+        if self.hk_lookahead:
+            _mark_run(self.state, "lookahead")
         return model, train_dataloader
 
     def _hk_restore_lookahead(self, lookahead):
         """On resume: the lookahead's saved state (its window, its position) into ``lookahead``; returns the number
         of windows computed before the checkpoint (the ``humanline/num_syncs`` metric)."""
-        from ..sync._state import MissingHumanlineState, read_humanline_state
+        from ..sync._state import DamagedHumanlineState, MissingHumanlineState, read_humanline_state
         folder = getattr(self, "_hk_resume_dir", None)
         if folder is None:
             return 0
         name = type(self).__name__
         try:
             loaded = read_humanline_state(folder, lookahead=lookahead)
+            saved_step, num_syncs = loaded.counter("global_step"), loaded.counter("num_syncs")
         except MissingHumanlineState as e:
             raise ValueError(f"{name}: {e}. humanline_reference='lookahead' resumes only from its own checkpoints: "
                              "the reference log-probs of the coming steps came from a policy that no longer "
-                             "exists") from None
-        if loaded.extra.get("global_step") != self.state.global_step:
-            raise ValueError(f"{name}: {folder} holds the humanline state of global step "
-                             f"{loaded.extra.get('global_step')}, the run resumes at step {self.state.global_step}")
+                             f"exists. {_start_over(folder)}") from None
+        except DamagedHumanlineState as e:
+            raise DamagedHumanlineState(f"{name}: {e}. {_start_over(folder)}") from None
+        if saved_step != self.state.global_step:
+            raise ValueError(f"{name}: {folder} holds the humanline state of global step {saved_step}, the run "
+                             f"resumes at step {self.state.global_step}")
         loaded.apply()
-        return int(loaded.extra.get("num_syncs", 0))
+        return num_syncs
 
     def _hk_save_lookahead(self, folder, lookahead, num_syncs):
         from ..sync._state import save_humanline_state

@@ -158,12 +158,23 @@ class LookaheadReference:
                              f"object has every={self.every}")
         if self._step or self._window or self._yielded:
             raise RuntimeError("LookaheadReference.load_state_dict: call it before taking the first batch")
-        self._step = int(state["step"])
+        # everything checked before anything is set: a refused state leaves this object as it was
+        step, refs, exhausted = state["step"], state["window_refs"], state.get("exhausted", False)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"LookaheadReference.load_state_dict: step must be an int >= 0, got {step!r}")
+        if not isinstance(refs, list) or not all(
+                isinstance(r, torch.Tensor) or (isinstance(r, list) and all(isinstance(t, torch.Tensor) for t in r))
+                for r in refs):
+            raise ValueError("LookaheadReference.load_state_dict: window_refs must be a list of tensors (or of lists "
+                             "of tensors, one per micro-batch)")
+        if not isinstance(exhausted, bool):
+            raise ValueError(f"LookaheadReference.load_state_dict: exhausted must be a bool, got {exhausted!r}")
+        self._step = step
         dev = _device_of(self.policy)
         self._loaded_refs = [_to_device(r, dev) for r in state["window_refs"]]
         if not self._loaded_refs:  # saved before step 0, or after the data ran out
             self._loaded_refs = None
-            self._exhausted = bool(state.get("exhausted", False))
+            self._exhausted = exhausted
 
 
 def _check_pairs(batch, ref, step):

@@ -58,18 +58,28 @@ class BufferLookahead:
         return {"every": self.every, "refs": dict(self.refs), "snapshot": snapshot, "windows": self.windows}
 
     def load_state_dict(self, state) -> None:
-        if state.get("every") != self.every:
-            raise ValueError(f"the lookahead state was saved with sync_every={state.get('every')}, this run has "
+        """Restore :meth:`state_dict`'s state, checked whole before anything is set (a refusal changes nothing)."""
+        if not isinstance(state, dict) or not {"every", "refs", "snapshot", "windows"} <= state.keys():
+            raise ValueError("the lookahead state must be a dict with every, refs, snapshot and windows, as "
+                             "state_dict() returns")
+        if state["every"] != self.every:
+            raise ValueError(f"the lookahead state was saved with sync_every={state['every']}, this run has "
                              f"{self.every}")
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.refs = {int(i): t.to(device) for i, t in state["refs"].items()}
-        snap = state["snapshot"]
+        refs, snap, windows = state["refs"], state["snapshot"], state["windows"]
+        if not isinstance(refs, dict) or not all(_is_count(i) and isinstance(t, torch.Tensor) for i, t in refs.items()):
+            raise ValueError("the lookahead state's refs must map micro-step indices (ints >= 0) to tensors")
         if snap is not None:
-            s, values = snap
-            if [tuple(v.shape) for v in values] != [tuple(p.shape) for p in self.params]:
+            if not (isinstance(snap, (list, tuple)) and len(snap) == 2 and _is_count(snap[0])
+                    and isinstance(snap[1], (list, tuple)) and all(isinstance(v, torch.Tensor) for v in snap[1])):
+                raise ValueError("the lookahead state's snapshot must be None or [sync step, [tensors]]")
+            if [tuple(v.shape) for v in snap[1]] != [tuple(p.shape) for p in self.params]:
                 raise ValueError("the lookahead's saved parameters θ_s do not match this policy's trainable ones")
-            snap = (int(s), list(values))
-        self.snapshot, self.windows = snap, int(state["windows"])
+            snap = (snap[0], list(snap[1]))
+        if not _is_count(windows):
+            raise ValueError(f"the lookahead state's windows must be an int >= 0, got {windows!r}")
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.refs = {i: t.to(device) for i, t in refs.items()}
+        self.snapshot, self.windows = snap, windows
 
     def reference(self, i, step, buffer, generated):
         """The reference log-probs of micro-step ``i`` (of optimizer step ``step``), called as TRL hands it out:
@@ -118,6 +128,10 @@ class BufferLookahead:
                     self.refs[j] = self.policy_logps(buffer[j % self.spg])
         if window_end <= i + self.span:  # the window ends in this generation: θ_s is no longer needed
             self.snapshot = None
+
+
+def _is_count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 @contextlib.contextmanager

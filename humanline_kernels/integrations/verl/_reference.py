@@ -109,10 +109,12 @@ class HumanlineReference:
         """Restore :meth:`save_state`'s ``folder`` after verl restored the actor (checked first on every rank)."""
         if self.syncer is None:
             return
-        from ...sync._state import load_humanline_state
-        extra = load_humanline_state(folder, syncer=self.syncer)
-        self.syncs, self._last_sync = int(extra["syncs"]), int(extra["last_sync"])
-        self.recomputed, self.from_old = int(extra["recomputed"]), int(extra["from_old"])
+        from ...sync._state import read_humanline_state
+        loaded = read_humanline_state(folder, syncer=self.syncer)
+        counts = [loaded.counter("syncs"), loaded.counter("last_sync", minimum=-1), loaded.counter("recomputed"),
+                  loaded.counter("from_old")]  # (checked before anything is restored)
+        loaded.apply()
+        self.syncs, self._last_sync, self.recomputed, self.from_old = counts
         self._update_start = self.step
 
     def _recompute(self, data) -> None:

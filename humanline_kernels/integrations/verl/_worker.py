@@ -25,15 +25,23 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from ...sync._state import has_humanline_state
+from ...sync._state import STATE_FILE, _atomic, _dist, _dump_json, has_humanline_state
 from ._config import HumanlinePolicyLossConfig
 from ._kernel import rebind
 from ._loss import LOSS_MODE, humanline_ppo_loss
 from ._reference import HumanlineReference
 
-__all__ = ["HumanlineActorRolloutRefWorker", "HumanlineTrainingWorker", "check_setup", "uses_lora", "HUMANLINE_DIR"]
+__all__ = ["HumanlineActorRolloutRefWorker", "HumanlineTrainingWorker", "check_setup", "uses_lora", "HUMANLINE_DIR",
+           "HUMANLINE_MARKER"]
 
 HUMANLINE_DIR = "humanline"  # beside verl's files in the actor's checkpoint folder
+HUMANLINE_MARKER = "humanline_run.json"  # beside it: this checkpoint is a humanline run's
+
+
+def _write_marker(local_path):
+    if _dist()[0] == 0:
+        os.makedirs(local_path, exist_ok=True)
+        _atomic(os.path.join(local_path, HUMANLINE_MARKER), lambda tmp: _dump_json(tmp, {"reference": "sync"}))
 
 
 class HumanlineTrainingWorker(TrainingWorker):
@@ -138,11 +146,14 @@ class HumanlineActorRolloutRefWorker(ActorRolloutRefWorker):
     # (scheduler, RNG) per rank and has no hook for more; the reference it never saves (it reloads the initial
     # model). So the worker writes the humanline state into <local_path>/humanline itself: before verl's own files,
     # and so before verl's trainer points latest_checkpointed_iteration.txt at this step and before an old
-    # checkpoint is removed (max_ckpt_to_keep), which takes the folder with it.
+    # checkpoint is removed (max_ckpt_to_keep), which takes the folder with it. A marker file beside that folder
+    # (HUMANLINE_MARKER) says the checkpoint is a humanline run's, also once the folder is lost.
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
-        if local_path is not None and self.actor is not None and self.actor.humanline is not None:
-            self.actor.humanline.save_state(os.path.join(local_path, HUMANLINE_DIR))
+        humanline = self.actor.humanline if self.actor is not None else None
+        if local_path is not None and humanline is not None and humanline.syncer is not None:
+            _write_marker(local_path)
+            humanline.save_state(os.path.join(local_path, HUMANLINE_DIR))
         super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -155,6 +166,13 @@ class HumanlineActorRolloutRefWorker(ActorRolloutRefWorker):
         if has_humanline_state(folder):
             humanline.load_state(folder)
             return
+        marker = os.path.join(local_path, HUMANLINE_MARKER)
+        if os.path.isfile(marker):
+            raise ValueError(
+                f"humanline verl worker: {os.path.join(folder, STATE_FILE)} is missing, but {marker} marks the "
+                "checkpoint as a humanline run's: its reference as of the last sync cannot be rebuilt, and resuming "
+                f"would train against another one. Restore {folder}, resume from another checkpoint, or start over "
+                f"deliberately: delete {marker} to resume with the reference restarted from the actor (warned)")
         # a checkpoint of verl's own worker (or of this package before 0.2): no reference to restore
         warnings.warn(f"humanline verl worker: {folder} holds no humanline state; the reference restarts from the "
                       "resumed actor and the sync counter from 0: not the run that never stopped", UserWarning,
