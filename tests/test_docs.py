@@ -32,11 +32,11 @@ import humanline_kernels as hk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-DIRECTIVE = re.compile(r"<!-- docs-test: (.*?) -->")
-SCOPE = re.compile(r"<!-- docs-test: ((?:names|keywords|all keywords|refusals)\b[^>]*?) -->(.*?)<!-- /docs-test -->",
-                   re.S)
+DIRECTIVE = re.compile(r"<!-- docs-test: (.*?) -->", re.S)  # (may wrap onto the next lines)
+SCOPE = re.compile(r"<!-- docs-test: ((?:names|keywords|all keywords|fields|refusals)\b[^>]*?) -->(.*?)"
+                   r"<!-- /docs-test -->", re.S)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.M | re.S)
-SCOPED = ("names ", "keywords of ", "all keywords of ", "keywords ", "refusals")
+SCOPED = ("names ", "keywords of ", "all keywords of ", "keywords ", "fields of ", "refusals")
 
 
 def _read(page):
@@ -227,7 +227,7 @@ def test_every_directive_is_known_and_every_scope_closed():
         opened = [m for m in DIRECTIVE.finditer(text) if m.group(1).startswith(SCOPED)]
         assert len(opened) == text.count("<!-- /docs-test -->"), f"{page}: a docs-test scope is not closed"
         for m in DIRECTIVE.finditer(text):
-            kind = m.group(1)
+            kind = " ".join(m.group(1).split())
             assert kind.startswith(SCOPED + ("skip (needs ", "given ")), f"{page}:{_line(text, m.start())}: {kind!r}"
 
 
@@ -294,7 +294,15 @@ def _resolve(dotted):
             obj = getattr(obj, part)
         return obj
     mod, _, attr = dotted.rpartition(".")
-    return getattr(importlib.import_module(mod), attr)
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except ImportError:  # (verl's modules import verl, which has an environment of its own): read the literal
+        with open(os.path.join(ROOT, *mod.split(".")) + ".py", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == attr for t in node.targets):
+                return ast.literal_eval(node.value)
+        raise
 
 
 def _value(text):
@@ -316,7 +324,7 @@ def _scopes():
     for page in PAGES:
         text = _read(page)
         for m in SCOPE.finditer(text):
-            yield page, _line(text, m.start()), m.group(1), m.group(2)
+            yield page, _line(text, m.start()), " ".join(m.group(1).split()), m.group(2)
 
 
 def _scope_ids(kind):
@@ -325,13 +333,37 @@ def _scope_ids(kind):
 
 @pytest.mark.parametrize("page,line,arg,span", _scope_ids("names "), ids=lambda x: str(x)[:40])
 def test_named_lists_are_the_codes(page, line, arg, span):
-    m = re.fullmatch(r"names (\S+)( in order)?", arg)
-    want = list(_resolve(m.group(1)))
-    got = [n for n, _ in _top_names(span)]
+    m = re.fullmatch(r"names (.+?)( in order)?", arg)
+    want = [x for attr in m.group(1).split() for x in _resolve(attr)]
+    rows = _table(span)
+    got = [n for row in rows for n, _ in _top_names(row[0])] if rows else [n for n, _ in _top_names(span)]
     if m.group(2):
         assert got == want, f"{page}:{line}: {got} are not {m.group(1)} {want}"
     else:
         assert sorted(got) == sorted(want), f"{page}:{line}: {got} are not {m.group(1)} {want}"
+
+
+def _table(span):
+    """The body rows of a markdown table in ``span``, as lists of cells (none: not a table)."""
+    rows = [[c.strip() for c in ln.strip().strip("|").split(" | ")] for ln in span.splitlines() if ln.startswith("|")]
+    return rows[2:]  # (the header and its rule)
+
+
+@pytest.mark.parametrize("page,line,arg,span", _scope_ids("fields of "), ids=lambda x: str(x)[:40])
+def test_field_tables_are_the_configs(page, line, arg, span):
+    """A table of a dataclass's fields: the first column names every field (no other), the second its default."""
+    import dataclasses
+    cls = _resolve(arg.split(" of ", 1)[1])
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    listed = {}
+    for row in _table(span):
+        names = [n for n, _ in _top_names(row[0])]
+        defaults = _split(row[1].replace("`", ""))
+        assert len(defaults) == len(names), f"{page}:{line}: {row[0]} | {row[1]}: one default a field"
+        listed.update(zip(names, defaults))
+    assert set(listed) == set(fields), f"{page}:{line}: the table lists {sorted(listed)}, not {sorted(fields)}"
+    for name, text in listed.items():
+        assert _value(text) == fields[name], f"{page}:{line}: {name} defaults to {fields[name]!r}, not {text}"
 
 
 def _keywords(fn):
@@ -367,7 +399,7 @@ def test_keywords_one_module_lacks_are_listed(page, line, arg, span):
     for name, fn in inspect.getmembers(a, inspect.isfunction):
         other = getattr(b, name, None)
         if not name.startswith("_") and fn.__module__ == a.__name__ and callable(other):
-            lacking |= set(inspect.signature(fn).parameters) - set(inspect.signature(other).parameters)
+            lacking |= set(_keywords(fn)) - set(_keywords(other))
     assert {n for n, _ in _top_names(span)} == lacking, f"{page}:{line}: {a.__name__} has {sorted(lacking)} beyond"
 
 
@@ -518,3 +550,21 @@ def test_design_states_the_fused_linear_launch_counts_the_launch_test_holds():
     host = " ".join(host.split())
     assert "4 per chunk + 5 for GRPO at any number of chunks and for DPO and KTO in one chunk" in host
     assert "DPO launches 8 and KTO 6 per chunk + 4" in host
+
+
+def test_verl_config_in_the_docs_is_the_config_class():
+    """docs/verl.md's config (its YAML and its command-line overrides) sets only fields HumanlinePolicyLossConfig
+    has (read from its source: verl, which it subclasses, has an environment of its own)."""
+    yaml = pytest.importorskip("yaml")
+    path = os.path.join(ROOT, "humanline_kernels", "integrations", "verl", "_config.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HumanlinePolicyLossConfig")
+    fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)} | {"_target_"}
+    text = _read("docs/verl.md")
+    blocks = {kind: [b for k, b in FENCE.findall(text) if k == kind] for kind in ("yaml", "bash")}
+    (config,) = [yaml.safe_load(b) for b in blocks["yaml"]]
+    in_yaml = set(config["actor_rollout_ref"]["actor"]["policy_loss"])
+    in_bash = set(re.findall(r"actor_rollout_ref\.actor\.policy_loss\.(\w+)=", "".join(blocks["bash"])))
+    assert in_yaml and in_bash and in_yaml | in_bash <= fields, sorted((in_yaml | in_bash) - fields)
+    assert in_yaml == fields, f"docs/verl.md's YAML lacks {sorted(fields - in_yaml)}"
