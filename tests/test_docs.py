@@ -568,3 +568,17 @@ def test_verl_config_in_the_docs_is_the_config_class():
     in_bash = set(re.findall(r"actor_rollout_ref\.actor\.policy_loss\.(\w+)=", "".join(blocks["bash"])))
     assert in_yaml and in_bash and in_yaml | in_bash <= fields, sorted((in_yaml | in_bash) - fields)
     assert in_yaml == fields, f"docs/verl.md's YAML lacks {sorted(fields - in_yaml)}"
+
+
+def test_design_layout_names_every_module():
+    """docs/design.md's layout names every module and folder of the package, and of ops/ and its op folders."""
+    text = _read("docs/design.md")
+    layout = next(b for k, b in FENCE.findall(text) if b.startswith("humanline_kernels/"))
+    pkg = os.path.join(ROOT, "humanline_kernels")
+    entries = [os.path.relpath(os.path.join(d, e), pkg) for d in (pkg, os.path.join(pkg, "ops"))
+               for e in os.listdir(d) if e not in ("__init__.py", "__main__.py", "__pycache__")]
+    entries += [os.path.join("ops", d, e) for d in ("logprobs", "token_terms", "finalize")
+                for e in os.listdir(os.path.join(pkg, "ops", d)) if e.endswith(".py") and e != "__init__.py"]
+    for entry in entries:
+        name = os.path.basename(entry)
+        assert re.search(rf"(?<![\w.]){re.escape(name)}\b", layout), f"docs/design.md's layout does not name {entry}"
