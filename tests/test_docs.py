@@ -582,3 +582,13 @@ def test_design_layout_names_every_module():
     for entry in entries:
         name = os.path.basename(entry)
         assert re.search(rf"(?<![\w.]){re.escape(name)}\b", layout), f"docs/design.md's layout does not name {entry}"
+
+
+def test_readme_names_the_demos_flags():
+    """README's flag list is the demo's parser: each flag it lists exists, and every flag is named in README."""
+    from humanline_kernels import demo
+    flags = {o for a in demo._parser()._actions for o in a.option_strings if o.startswith("--")}
+    text = _read("README.md")
+    listed = set(re.findall(r"`(--[a-z][a-z-]*)", text[text.index("Flags ("):text.index("A bad flag")]))
+    assert listed and listed <= flags, sorted(listed - flags)
+    assert flags <= set(re.findall(r"(--[a-z][a-z-]*)", text)), sorted(flags - set(re.findall(r"--[a-z-]+", text)))
