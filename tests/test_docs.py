@@ -287,7 +287,12 @@ def _top_names(text):
 
 
 def _resolve(dotted):
-    """``hk.fused.dpo`` (or ``humanline_kernels...``, or a module attribute such as ``bench.bench_e2e.ARMS``)."""
+    """``hk.fused.dpo`` (or ``humanline_kernels...``, or a module attribute such as ``bench.bench_e2e.ARMS``);
+    ``torch.ops.humanline``: the names of the custom ops the package registers."""
+    if dotted == "torch.ops.humanline":
+        for mod in ("logprobs.kernel", "token_terms.kernel", "finalize.kernel", "finalize.folded"):
+            importlib.import_module("humanline_kernels.ops." + mod)
+        return sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("humanline::"))
     if dotted.startswith("hk."):
         obj = hk
         for part in dotted.split(".")[1:]:
