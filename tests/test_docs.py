@@ -597,3 +597,25 @@ def test_readme_names_the_demos_flags():
     listed = set(re.findall(r"`(--[a-z][a-z-]*)", text[text.index("Flags ("):text.index("A bad flag")]))
     assert listed and listed <= flags, sorted(listed - flags)
     assert flags <= set(re.findall(r"(--[a-z][a-z-]*)", text)), sorted(flags - set(re.findall(r"--[a-z-]+", text)))
+
+
+PATH = re.compile(r"(?<![\w/.-])((?:tests|examples|bench|humanline_kernels|csrc|docs|ops|integrations|sync)/[\w./-]*\w)"
+                  r"(?:::(\w+))?")
+
+
+def test_files_and_functions_the_docs_name_exist():
+    """Every path the docs name (from the project's root, or inside the package: ``ops/...``) exists, and a
+    ``file.py::name`` names a function or class of that file. ``bench/out`` is where the benchmarks write."""
+    for page in PAGES:
+        text = _read(page)
+        for m in PATH.finditer(text):
+            path, name = m.group(1), m.group(2)
+            if path.startswith("bench/out") or text[m.end():m.end() + 1] == "-":  # (a name cut at a line's end)
+                continue
+            found = [c for c in (path, os.path.join("humanline_kernels", path))
+                     if os.path.exists(os.path.join(ROOT, c))]
+            assert found, f"{page}:{_line(text, m.start())}: no {path}"
+            if name and os.path.isfile(os.path.join(ROOT, found[0])):
+                src = _read(found[0])
+                assert re.search(rf"^\s*(?:def|class) {name}\b|^{name} = ", src, re.M), (
+                    f"{page}:{_line(text, m.start())}: {found[0]} has no {name}")
