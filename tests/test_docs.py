@@ -619,3 +619,16 @@ def test_files_and_functions_the_docs_name_exist():
                 src = _read(found[0])
                 assert re.search(rf"^\s*(?:def|class) {name}\b|^{name} = ", src, re.M), (
                     f"{page}:{_line(text, m.start())}: {found[0]} has no {name}")
+
+
+def test_environment_variables_the_docs_name_are_read():
+    """An ``HK_*`` / ``HUMANLINE_*`` variable the docs name is read somewhere in the code (a removed switch leaves no
+    instruction behind)."""
+    code = ""
+    for pattern in ("humanline_kernels/**/*.py", "bench/*.py", "tests/*.py", "setup.py"):
+        for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
+            if not path.endswith("test_docs.py"):
+                code += _read(os.path.relpath(path, ROOT))
+    for page in PAGES:
+        for var in sorted(set(re.findall(r"\b(?:HK|HUMANLINE)_[A-Z0-9_]+\b", _read(page)))):
+            assert f'"{var}"' in code, f"{page} names {var}, which no code reads"
