@@ -333,10 +333,10 @@ def _scopes():
 
 
 def _scope_ids(kind):
-    return [(p, n, a, s) for p, n, a, s in _scopes() if a.startswith(kind)]
+    return [pytest.param(p, n, a, s, id=f"{p}:{n}") for p, n, a, s in _scopes() if a.startswith(kind)]
 
 
-@pytest.mark.parametrize("page,line,arg,span", _scope_ids("names "), ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize("page,line,arg,span", _scope_ids("names "))
 def test_named_lists_are_the_codes(page, line, arg, span):
     m = re.fullmatch(r"names (.+?)( in order)?", arg)
     want = [x for attr in m.group(1).split() for x in _resolve(attr)]
@@ -354,7 +354,7 @@ def _table(span):
     return rows[2:]  # (the header and its rule)
 
 
-@pytest.mark.parametrize("page,line,arg,span", _scope_ids("fields of "), ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize("page,line,arg,span", _scope_ids("fields of "))
 def test_field_tables_are_the_configs(page, line, arg, span):
     """A table of a dataclass's fields: the first column names every field (no other), the second its default."""
     import dataclasses
@@ -375,8 +375,7 @@ def _keywords(fn):
     return {k: p for k, p in inspect.signature(fn).parameters.items() if p.kind == p.KEYWORD_ONLY}
 
 
-@pytest.mark.parametrize("page,line,arg,span", _scope_ids("keywords of ") + _scope_ids("all keywords of "),
-                         ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize("page,line,arg,span", _scope_ids("keywords of ") + _scope_ids("all keywords of "))
 def test_keyword_lists_are_the_signatures(page, line, arg, span):
     where = f"{page}:{line}"
     names = arg.split(" of ", 1)[1].split()
@@ -395,8 +394,7 @@ def test_keyword_lists_are_the_signatures(page, line, arg, span):
         assert not missing, f"{where}: the list lacks {sorted(missing)}, keywords of {', '.join(names)}"
 
 
-@pytest.mark.parametrize("page,line,arg,span", [s for s in _scope_ids("keywords ") if " less " in s[2]],
-                         ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize("page,line,arg,span", [s for s in _scope_ids("keywords ") if " less " in s.values[2]])
 def test_keywords_one_module_lacks_are_listed(page, line, arg, span):
     a, b = (importlib.import_module("humanline_kernels." + m.split(".")[-1])
             for m in re.fullmatch(r"keywords (\S+) less (\S+)", arg).groups())
@@ -493,7 +491,7 @@ def _test_sources(name):
     return out
 
 
-@pytest.mark.parametrize("page,line,arg,span", _scope_ids("refusals"), ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize("page,line,arg,span", _scope_ids("refusals"))
 def test_each_refusal_names_a_test_of_it(page, line, arg, span):
     items = re.split(r"\n\s*\* ", span) if "\n* " in "\n" + span.lstrip() else _split(span.replace(" and ", ", "))
     checked = 0
