@@ -10,10 +10,12 @@
 * A span between ``<!-- docs-test: KIND ... -->`` and ``<!-- /docs-test -->`` is checked by kind, on the backticked
   names outside parentheses (``name`` or ``name=default``): ``keywords of F ...`` (each a keyword of those functions,
   with their default), ``all keywords of F ...`` (and every keyword of theirs listed), ``keywords A less B`` (the
-  keywords module A's functions have and B's same-named ones lack), ``names MOD.ATTR [in order]`` (the elements of a
-  tuple in the code, e.g. bench e2e's arms), ``refusals`` (each refusal names its test, ``test_x`` or
+  keywords module A's functions have and B's same-named ones lack), ``names MOD.ATTR ... [in order]`` (the elements
+  of tuples or dicts in the code, e.g. bench e2e's arms; in a table, its first column), ``fields of CLASS`` (a table
+  of a dataclass's fields and defaults), ``refusals`` (each refusal names its test, ``test_x`` or
   ``tests/file.py::test_x``, whose code, parametrisation included, names the refused option).
-* Stated dtypes and launch counts are the code's.
+* Stated dtypes and launch counts are the code's; design.md's layout names every module; README's demo flags are the
+  demo's; every file, ``file.py::name`` and environment variable the docs name exists.
 """
 import ast
 import copy
