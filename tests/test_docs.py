@@ -632,3 +632,17 @@ def test_environment_variables_the_docs_name_are_read():
     for page in PAGES:
         for var in sorted(set(re.findall(r"\b(?:HK|HUMANLINE)_[A-Z0-9_]+\b", _read(page)))):
             assert f'"{var}"' in code, f"{page} names {var}, which no code reads"
+
+
+def test_grpo_table_has_every_grpo_config_field():
+    """docs/integrations.md's "every `GRPOConfig` field" table: its first column names each field TRL's GRPOConfig adds
+    to TrainingArguments, and no other (our own fields are the "(ours)" row)."""
+    import dataclasses
+    trl = pytest.importorskip("trl")
+    from transformers import TrainingArguments
+    text = _read("docs/integrations.md")
+    part = text[text.index("### GRPO: every `GRPOConfig` field"):text.index("### DPO and KTO")]
+    listed = {n for row in _table(part) if not row[0].startswith("(ours)") for n, _ in _top_names(row[0])}
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - base
+    assert listed == fields, f"missing {sorted(fields - listed)}, not fields {sorted(listed - fields)}"
