@@ -17,10 +17,9 @@ Stages, in order (each one's output goes to ``DIR/gpu.log``; a failing stage is 
    lookahead / the authors' way, and stock ``trl.DPOTrainer`` vs ``HumanlineDPOTrainer`` in TRL's loop.
 
 Writes ``DIR/gpu.json`` (environment, every stage's status and numbers) and prints a short table last, with the
-peers that ran. Made to finish in under 9 minutes on one H100 without ``masks`` and ``e2e`` (run 1, without e2e:
-372 s); e2e is expected to take two to three minutes and ``masks`` about two (estimated), killed at their budgets
-(300 s, 150 s): on a 10-minute command limit run those two in a second command (``--skip tests parity demo host
-logits linear sync``).
+peers that ran. Every stage but ``parity`` is killed at its time budget (``budgets`` in :func:`main`); where a
+command's time limit is below their sum, run the long stages in a second command (``--skip`` the others;
+bench/NOTES.md, "How the runs were made").
 """
 from __future__ import annotations
 

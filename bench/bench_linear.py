@@ -4,7 +4,7 @@ Default shape: N = 8192 tokens (B=8 rows x T=1024), D = 4096, V = 128256, bf16, 
 same run as the bare lm_head GEMM forward+backward (3 GEMMs: z = hW^T, dh = dz W, dW = dz^T h), and reports
 ``ratio`` = time / that floor and the peak memory beyond the inputs. Peers are run when importable: eager (logits
 materialised), a torch.compile'd chunked version (checkpointed per chunk), torch's own chunked
-``F.linear_cross_entropy(reduction="none")`` (torch >= 2.13), TRL ``_ChunkedLogProbFunction``, Liger
+``F.linear_cross_entropy(reduction="none")`` (torch >= 2.13), TRL's ``ChunkedLogProbFunction``, Liger
 ``LigerFusedLinear{GRPO,DPO,KTO}Loss`` (``use_ref_model=False``: no reference GEMM), quack ``linear_cross_entropy``
 and Apple ``cut_cross_entropy`` (plain cross-entropy; shown for the GEMM-floor comparison). ``--quick`` is a tiny
 CPU smoke run of the same code.
@@ -105,8 +105,7 @@ def _cases(h, w, y, ref, adv, chunk_bytes, quick, supervised=None):
         cases["torch_compile_chunked_grpo"] = fb(compiled)
 
     try:
-        from trl.kernels import chunked_logprob as _trl_clp  # TRL 1.16 made it private
-        ChunkedLogProbFunction = getattr(_trl_clp, "ChunkedLogProbFunction", None) or _trl_clp._ChunkedLogProbFunction
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # public in TRL 1.16
         # forward(hidden [N, H], weight, bias, targets, temperature, chunk_size): TRL 1.16 signature
         cases["trl_chunked_logprob_grpo"] = fb(lambda: grpo_from(
             ChunkedLogProbFunction.apply(h2, w, None, y2.clamp(min=0), 1.0, 4096)[0] * mask.view(-1)))

@@ -824,9 +824,18 @@ def _lr_grid(text):
     return tuple(sorted(set(values)))
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line on stderr (exit 2), as in the bench programs (bench/cli.py), not argparse's usage block
+    above the error."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} ({self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m humanline_kernels.demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog="python -m humanline_kernels.demo", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--objective", choices=[*OBJECTIVES, "all"], default="dpo",
                    help="the loss to train; all: each in turn")
     p.add_argument("--steps", type=_int_at_least(1), default=60, help="optimizer steps per run")

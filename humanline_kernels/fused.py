@@ -73,7 +73,8 @@ def _as_3d(logits, labels):
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Per-token log-probs (and the detached entropy): the Triton kernels or their eager twin (``kernels``)."""
+    """Per-token log-probs (and the entropy, both differentiable): the Triton kernels or their eager twin
+    (``kernels``)."""
 
     @staticmethod
     def forward(ctx, p, return_entropy, inplace, kernels, logits, labels):

@@ -397,10 +397,11 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
 
     Entropy bonus (when ``entropy_coef != 0`` or ``use_adaptive_entropy``): ``loss -= c * H`` with ``H`` the mean of
     ``entropies`` over the masked (and high-entropy, when that mask is on) tokens; gradients flow through
-    ``entropies`` if it requires them (TRL's fused LM head differentiates its entropy; ``hk.token_logprobs``
-    returns it detached). ``c = entropy_coef``, except with ``use_adaptive_entropy`` where ``c = 0`` while
-    ``last_world_entropy > entropy_target``. The function is stateless: the trainer keeps TRL's controller state
-    (``entropy_coef``, ``last_world_entropy`` starting at inf, and the window totals): it adds each micro-batch's
+    ``entropies`` if it requires them (TRL's fused LM head differentiates its entropy, and so do
+    ``hk.token_logprobs`` and ``hk.fused_linear.token_logprobs``). ``c = entropy_coef``, except with
+    ``use_adaptive_entropy`` where ``c = 0`` while ``last_world_entropy > entropy_target``. The function is
+    stateless: the trainer keeps TRL's controller state (``entropy_coef``, ``last_world_entropy`` starting at inf,
+    and the window totals): it adds each micro-batch's
     metrics ``entropy_sum`` and ``entropy_tokens`` to the window, and at each optimizer step all-reduces them,
     sets ``last_world_entropy = sum / max(count, 1)`` and ``entropy_coef = adaptive_entropy_coef(entropy_coef,
     last_world_entropy, ...)``, and passes both to the next step's calls (TRL checkpoints both).

@@ -152,14 +152,15 @@ def test_demo_cli(tmp_path):
                                    ["--objective", "grpo", "--batch", "6"], ["--plot", "a{b}.png"],
                                    ["--eval-n", "4"], ["--seed", "-1"], ["--objective", "all", "--batch", "6"],
                                    ["--objective", "all", "--batch", "5"], ["--save", "."], ["--markdown", "x"]])
-def test_bad_flags_are_one_line_argparse_errors(flags, monkeypatch, capsys):
+def test_bad_flags_are_one_line_errors(flags, monkeypatch, capsys):
     monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)  # "--device cuda" without CUDA
     monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("ran with a bad flag"))
     with pytest.raises(SystemExit) as e:
         demo.main(flags)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "Traceback" not in err
-    assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1, err
+    assert e.value.code == 2 and "Traceback" not in err and "usage:" not in err
+    assert len(err.strip().splitlines()) == 1 and "error:" in err, err  # README: "A bad flag is a one-line error"
+    assert err.rstrip().endswith("(python -m humanline_kernels.demo --help)"), err
 
 
 def test_help_shows_defaults(capsys):

@@ -51,7 +51,7 @@ def test_the_documented_setup_passes():
     ({"actor_rollout_ref.actor.policy_loss.fused_logprobs": True}, "actor_rollout_ref", "impl_backend=triton"),
     ({"actor_rollout_ref.actor.policy_loss.fused_logprobs": True, "actor_rollout_ref.model.use_fused_kernels": True,
       "+actor_rollout_ref.model.fused_kernel_options.impl_backend": "triton",
-      "actor_rollout_ref.actor.entropy_coeff": 0.01}, "actor_rollout_ref", "entropy detached"),
+      "actor_rollout_ref.actor.entropy_coeff": 0.01}, "actor_rollout_ref", "not yet wired to verl's entropy bonus"),
     ({"actor_rollout_ref.actor.policy_loss.base_loss_mode": "clip_cov"}, "actor_rollout_ref",
      "'clip_cov' has no humanline variant"),
 ])

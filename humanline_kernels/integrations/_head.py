@@ -8,7 +8,8 @@ lm_head weight go through :func:`humanline_kernels.fused_linear.token_logprobs` 
 FSDP's and ZeRO-3's forward hooks have gathered the lm_head weight (FSDP2 DTensors are gathered with
 ``full_tensor()``, ZeRO-3 with TRL's ``maybe_gather_lm_head_ctx``, as TRL's own head does). ``fused="off"``
 leaves TRL's head. The result is TRL's ``FusedCausalLMOutput`` with ``log_probs`` (``[B, L-1]``, 0 where the
-label is -100) and, for the policy, a detached ``entropy``; the other per-token fields are None.
+label is -100) and, for the policy, a differentiable ``entropy`` (for GRPO's entropy bonus, as TRL's head gives it); the
+other per-token fields are None.
 
 Layouts (``fused="linear"``): ``hk_supervised=[[start, end), ...]`` (host ints, one range per row, or per packed
 sequence with ``hk_cu_seqlens``, in the head's coordinates: position ``t`` predicts token ``t + 1``) runs the lm_head
@@ -46,7 +47,7 @@ def check_head_supported(model, fused: str) -> None:
 def install_head(model, fused: str, temperature: float = 1.0, entropy: bool = True) -> None:
     """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) to use our fused paths.
 
-    ``entropy``: also return the (detached) per-token entropy, as TRL's head does for the policy (True) and not
+    ``entropy``: also return the (differentiable) per-token entropy, as TRL's head does for the policy (True) and not
     for the reference (False). A call can override it with ``hk_entropy=False`` (the lookahead's reference
     forwards through the policy, which need no entropy)."""
     if fused not in FUSED_MODES:

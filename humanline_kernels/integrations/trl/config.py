@@ -92,8 +92,8 @@ def grpo_lookahead_check(args, name):
 @dataclass
 class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
     """``trl.DPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
-    ``humanline_reference`` and ``rpo_alpha`` (RPO's NLL weight: the same loss as TRL 1.16's spelling, ``"sft"``
-    appended to ``loss_type`` with this weight appended to ``loss_weights``)."""
+    ``save_reference``, ``humanline_reference`` and ``rpo_alpha`` (RPO's NLL weight: the same loss as TRL 1.16's
+    spelling, ``"sft"`` appended to ``loss_type`` with this weight appended to ``loss_weights``)."""
 
     rpo_alpha: Optional[float] = _hk_field(
         None, "RPO: add the chosen completions' mean NLL with this weight (TRL 1.16's loss_type=[..., 'sft'], "
@@ -103,10 +103,11 @@ class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
 @dataclass
 class HumanlineKTOConfig(_HumanlineFields, KTOConfig):
     """``trl.KTOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
-    ``humanline_reference``."""
+    ``save_reference``, ``humanline_reference``."""
 
 
 @dataclass
 class HumanlineGRPOConfig(_HumanlineFields, GRPOConfig):
     """``trl.GRPOConfig`` plus ``humanline``, ``log_eps_p``, ``log_eps_r``, ``sync_every``, ``fused``,
-    ``humanline_reference`` ("lookahead" with a generation batch spanning at least two optimizer steps)."""
+    ``save_reference``, ``humanline_reference`` ("lookahead" with a generation batch spanning at least two optimizer
+    steps)."""

@@ -7,8 +7,10 @@ With ``model.use_fused_kernels=True`` and ``fused_kernel_options.impl_backend=tr
 ``(hidden, lm_head.weight, rolled_labels, temperature, "none")``. :func:`rebind` replaces that module attribute,
 so every later forward in the process (actor and reference alike) computes its log-probs with our kernel.
 
-verl adds ``-entropy_coeff * entropy`` to the loss (``ppo_loss``), so it needs the entropy's gradient; ours is
-detached (the contract of ``token_logprobs``), so the worker refuses ``entropy_coeff != 0`` with this path.
+verl adds ``-entropy_coeff * entropy`` to the loss (``ppo_loss``). The entropy returned here is differentiable (as
+``token_logprobs``' is), but its gradient through verl's entropy bonus is not checked against verl's kernel yet
+(tests/test_verl_kernel.py backpropagates the log-probs only), so the worker still refuses ``entropy_coeff != 0``
+with this path.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     """verl's ``linear_cross_entropy`` signature on ``hk.fused_linear.token_logprobs``.
 
     Returns ``(log_probs, entropy)`` shaped like ``labels`` (fp32, as verl's torch backend shapes them); the
-    log-probs are differentiable with respect to ``hidden`` and ``weight``, the entropy is detached.
+    log-probs and the entropy are differentiable with respect to ``hidden`` and ``weight``.
     """
     if reduction != "none":
         raise ValueError(f"linear_cross_entropy: only reduction='none' is supported (per-token log-probs), got "
