@@ -1,4 +1,6 @@
 """Every bad input of docs/design.md raises a ValueError naming the argument, before any work is done."""
+import math
+
 import pytest
 import torch
 
@@ -432,3 +434,87 @@ def test_malformed_tensors_are_refused_before_anything_runs():
         hk.fused_linear.grpo(None, torch.randn(7, 4), y[None], ref[None], torch.ones(1))
     with pytest.raises(ValueError, match="ref_logps must be a torch.Tensor"):
         hk.losses.dpo(ref[:4], ref[:4].tolist(), y[:4] >= 0, packed=hk.Packed([0, 2, 4]))
+
+
+# --- the clip band's ends: -inf / inf (no bound on that side) or finite within float32's range ----------------------
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("band, name", [((-1e300, 1e300), "log_eps_p"), ((-1.0, 1e300), "log_eps_r"),
+                                        ((-3.5e38, 1.0), "log_eps_p"), ((0.0, 3.5e38), "log_eps_r")])
+def test_clip_end_beyond_float32_is_refused(band, name):
+    """A finite end float32 cannot hold became inf in the kernels and an overflow RuntimeError in hk.losses and
+    hk.reference: refused where the band is built, so every path (and every config that builds one) agrees."""
+    with pytest.raises(ValueError, match=f"{name} must be -inf, inf .* within float32's range"):
+        hk.HumanlineClip(*band)
+
+
+def test_clip_ends_at_float32_max_run_everywhere():
+    lp, ref, m = _lp()
+    c = hk.HumanlineClip(-F32_MAX, F32_MAX)
+    want = hk.reference.dpo(lp, ref, m, clip=None)[0]
+    for level in (hk.reference, hk.losses):
+        torch.testing.assert_close(level.dpo(lp, ref, m, clip=c)[0], want)
+
+
+def _inf_band_case(name, dtype):
+    g = torch.Generator().manual_seed(5)
+    B, T, V, D = 4, 5, 11, 6
+    h, W = torch.randn(B, T, D, generator=g, dtype=dtype), torch.randn(V, D, generator=g, dtype=dtype)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[1, :2] = -100
+    ref = hk.reference.token_logprobs(h @ W.T, y).float().detach() + 2 * torch.randn(B, T, generator=g)
+    extra = {"grpo": (torch.randn(B, generator=g),), "kto": (torch.tensor([True, False, True, True]),)}.get(name, ())
+    return h, W, y, ref, extra
+
+
+@pytest.mark.parametrize("band", [(-math.inf, math.inf), (-math.inf, 0.5), (-0.5, math.inf)], ids=str)
+@pytest.mark.parametrize("name", ["dpo", "kto", "grpo"])
+@pytest.mark.parametrize("path", ["kernels", "eager"])
+def test_clip_infinite_end_is_no_bound_on_that_side(band, name, path, monkeypatch):
+    """-inf / inf: no bound on that side, on every level and path: the loss, the metrics and the gradient of
+    hk.reference with the same band, and with both ends infinite those of the plain objective (clip=None)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if path == "kernels" else "0")
+    h, W, y, ref, extra = _inf_band_case(name, torch.float32)
+    c = hk.HumanlineClip(*band)
+    m = y != -100
+
+    def reference(h, clip):
+        lp = hk.reference.token_logprobs(h @ W.T, y)
+        per_token = (extra[0], m) if name == "grpo" else (m, *extra)
+        return getattr(hk.reference, name)(lp, ref, *per_token, clip=clip)
+
+    def levels(h):
+        lp = hk.reference.token_logprobs(h @ W.T, y)
+        per_token = (extra[0], m) if name == "grpo" else (m, *extra)
+        yield "losses", getattr(hk.losses, name)(lp, ref, *per_token, clip=c)
+        yield "fused", getattr(hk.fused, name)(h @ W.T, y, ref, *extra, clip=c)
+        yield "fused_linear", getattr(hk.fused_linear, name)(h, W, y, ref, *extra, clip=c)
+
+    hw = h.clone().requires_grad_()
+    want, want_met = reference(hw, c)
+    (want_g,) = torch.autograd.grad(want, hw)
+    if band == (-math.inf, math.inf):
+        plain, plain_met = reference(h, None)
+        torch.testing.assert_close(want, plain)
+        assert want_met["unclipped_frac"] == plain_met["unclipped_frac"] == 1.0
+    hg = h.clone().requires_grad_()
+    for level, (loss, met) in levels(hg):
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=level)
+        for k, v in want_met.items():
+            torch.testing.assert_close(met[k], v, rtol=1e-5, atol=1e-6, msg=f"{level} {k}")
+        (g,) = torch.autograd.grad(loss, hg)
+        torch.testing.assert_close(g, want_g, rtol=1e-4, atol=1e-6, msg=level)
+
+
+@pytest.mark.parametrize("field, value", [("log_eps_r", 1e300), ("log_eps_p", -1e39)])
+@pytest.mark.parametrize("config", ["HumanlineDPOConfig", "HumanlineKTOConfig", "HumanlineGRPOConfig"])
+def test_trl_configs_refuse_a_clip_end_beyond_float32(config, field, value, tmp_path):
+    """The TRL configs build the band at construction: refused there, not at the first training step."""
+    trl = pytest.importorskip("humanline_kernels.integrations.trl")
+    cls = getattr(trl, config)
+    with pytest.raises(ValueError, match=f"{field} must be -inf, inf"):
+        cls(str(tmp_path), use_cpu=True, report_to=[], **{field: value})
+    c = cls(str(tmp_path), use_cpu=True, report_to=[], log_eps_r=math.inf)  # (no bound above: accepted)
+    assert c.log_eps_r == math.inf
