@@ -259,6 +259,8 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
     if hidden.dim() < 2:
         raise ValueError(f"hidden must have shape [..., D] with at least 2 dimensions, got {_shape(hidden)}")
     D = hidden.shape[-1]
+    if D == 0:
+        raise ValueError("hidden must have a non-empty hidden dimension (shape [..., D] with D > 0)")
     check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
     if weight.shape[1] != D:
         raise ValueError(f"weight must have shape [V, D] with D = hidden.shape[-1] = {D}, got {_shape(weight)}")

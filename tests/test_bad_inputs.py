@@ -518,3 +518,28 @@ def test_trl_configs_refuse_a_clip_end_beyond_float32(config, field, value, tmp_
         cls(str(tmp_path), use_cpu=True, report_to=[], **{field: value})
     c = cls(str(tmp_path), use_cpu=True, report_to=[], log_eps_r=math.inf)  # (no bound above: accepted)
     assert c.log_eps_r == math.inf
+
+
+# --- the hidden level's shapes ---------------------------------------------------------------------------------------
+
+LINEAR_FNS = {
+    "token_logprobs": lambda h, W, y: hk.fused_linear.token_logprobs(h, W, y),
+    "token_logprobs_nograd": lambda h, W, y: hk.fused_linear.token_logprobs_nograd(h, W, y),
+    "dpo": lambda h, W, y: hk.fused_linear.dpo(h, W, y, torch.zeros(y.shape)),
+    "kto": lambda h, W, y: hk.fused_linear.kto(h, W, y, torch.zeros(y.shape), torch.tensor([True, False])),
+    "grpo": lambda h, W, y: hk.fused_linear.grpo(h, W, y, torch.zeros(y.shape), torch.ones(2)),
+    "sequence_logratios": lambda h, W, y: hk.fused_linear.sequence_logratios(h, W, y, torch.zeros(y.shape)),
+    "ipo": lambda h, W, y: hk.fused_linear.ipo(h, W, y, torch.zeros(y.shape)),
+    "simpo": lambda h, W, y: hk.fused_linear.simpo(h, W, y),
+    "slic": lambda h, W, y: hk.fused_linear.slic(h, W, y),
+}
+
+
+@pytest.mark.parametrize("fn", list(LINEAR_FNS))
+def test_hidden_size_zero_is_refused_by_name(fn):
+    """D = 0 (as V = 0 already was): a raw reshape error from inside the chunk loop before."""
+    y = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden must have a non-empty hidden dimension"):
+        LINEAR_FNS[fn](torch.randn(2, 3, 0), torch.randn(5, 0), y)
+    with pytest.raises(ValueError, match=r"weight must have a non-empty vocabulary dimension"):
+        LINEAR_FNS[fn](torch.randn(2, 3, 4), torch.randn(0, 4), y)
