@@ -279,15 +279,16 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
         check_label_range(labels, weight.shape[0], p.ignore_index)
 
 
-def check_packed(name, x, labels, ref_logps, packed, p=None):
-    """A packed batch (:class:`~humanline_kernels.Packed`): ``x`` (``logits``, ``hidden`` or ``logps``) is
-    ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]`` (``labels`` is checked against
-    ``x`` by the level's own check; ``ref_logps`` shaped like it, :func:`check_ref` for the loss ``p``)."""
+def check_packed(name, x, labels, ref_logps, packed, p=None, *, packed_name="packed"):
+    """A packed batch (:class:`~humanline_kernels.Packed`, given as ``packed_name``): ``x`` (``logits``, ``hidden``
+    or ``logps``; KTO's ``kl_logps``) is ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]``
+    (``labels`` is checked against ``x`` by the level's own check; ``ref_logps`` shaped like it, :func:`check_ref`
+    for the loss ``p``)."""
     from ._layout import Packed
     if not isinstance(packed, Packed):
-        raise ValueError(f"packed must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
+        raise ValueError(f"{packed_name} must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
                          f"{type(packed).__name__}")
-    per_token = name == "logps"
+    per_token = name.endswith("logps")
     if not isinstance(x, torch.Tensor) or x.dim() not in ((1, 2) if per_token else (2, 3)) or (
             x.dim() == (2 if per_token else 3) and x.shape[0] != 1):
         want = "[N] or [1, N]" if per_token else "[N, V] or [1, N, V]" if name == "logits" else "[N, D] or [1, N, D]"

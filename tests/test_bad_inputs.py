@@ -543,3 +543,79 @@ def test_hidden_size_zero_is_refused_by_name(fn):
         LINEAR_FNS[fn](torch.randn(2, 3, 0), torch.randn(5, 0), y)
     with pytest.raises(ValueError, match=r"weight must have a non-empty vocabulary dimension"):
         LINEAR_FNS[fn](torch.randn(2, 3, 4), torch.randn(0, 4), y)
+
+
+# --- packed layouts: the same answer at every level ------------------------------------------------------------------
+
+def _stream(N=7, D=4, V=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(N, D, generator=g), torch.randn(V, D, generator=g), torch.randint(0, V, (N,), generator=g),
+            torch.randn(N, generator=g))
+
+
+def test_packed_as_a_list_is_refused_by_name_at_every_level():
+    """hk.fused_linear.token_logprobs took packed=[...] to an AttributeError from inside the supervised map; every
+    level refuses a list by name (hk.Packed takes the list)."""
+    h, W, y, lp = _stream(N=6)
+    calls = {
+        "fused_linear.token_logprobs": lambda: hk.fused_linear.token_logprobs(h, W, y, supervised=[[0, 3], [0, 3]],
+                                                                              packed=[0, 3, 6]),
+        "fused_linear.token_logprobs (dense)": lambda: hk.fused_linear.token_logprobs(h, W, y, packed=[0, 3, 6]),
+        "fused_linear.dpo": lambda: hk.fused_linear.dpo(h, W, y, lp, packed=[0, 3, 6]),
+        "fused.dpo": lambda: hk.fused.dpo(h @ W.T, y, lp, packed=[0, 3, 6]),
+        "losses.dpo": lambda: hk.losses.dpo(lp, lp, y >= 0, packed=[0, 3, 6]),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match="packed must be a humanline_kernels.Packed"):
+            call()
+            pytest.fail(what)
+
+
+@pytest.mark.parametrize("packed, match", [
+    (hk.Packed([0, 4, 9]), r"packed.cu_seqlens must start at 0, never decrease and end at the 7 packed positions"),
+    (hk.Packed(torch.tensor([0, 4, 9])), r"packed.cu_seqlens must start at 0"),
+    (hk.Packed(torch.tensor([3, 4, 7]), max_seqlen=4), r"packed.cu_seqlens must start at 0"),
+    (hk.Packed([0, 4, 7], max_seqlen=3), r"packed.max_seqlen=3 is shorter than the longest packed sequence"),
+    (hk.Packed([0]), r"packed.cu_seqlens must hold at least one sequence"),
+], ids=["list", "tensor", "tensor_max_seqlen", "max_seqlen", "no_sequence"])
+def test_fused_linear_token_logprobs_checks_packed_without_supervised(packed, match):
+    """Without supervised ranges the packed boundaries were ignored (ending at 9 for a 7-position stream): checked as
+    at the losses. A stream whose boundaries hold gives the log-probs of the call without them."""
+    h, W, y, _ = _stream()
+    with pytest.raises(ValueError, match=match):
+        hk.fused_linear.token_logprobs(h, W, y, packed=packed)
+    with pytest.raises(ValueError, match=r"hidden must have shape \[N, D\] or \[1, N, D\]"):
+        hk.fused_linear.token_logprobs(h.view(1, 7, 4).expand(2, 7, 4), W, y.expand(2, 7),
+                                       packed=hk.Packed([0, 4, 7]))
+    want = hk.fused_linear.token_logprobs(h, W, y)
+    for good in (hk.Packed([0, 4, 7]), hk.Packed(torch.tensor([0, 4, 7]), max_seqlen=4)):
+        torch.testing.assert_close(hk.fused_linear.token_logprobs(h, W, y, packed=good), want)
+        torch.testing.assert_close(hk.fused_linear.token_logprobs(h[None], W, y[None], packed=good), want[None])
+
+
+@pytest.mark.parametrize("level", ["losses", "fused", "fused_linear"])
+def test_kl_packed_errors_name_kl_packed(level):
+    """KTO's KL rows packed: a bad kl_packed was reported as `packed` (the batch's own argument), a bad kl_logps as
+    `logps`; kl_packed without KL rows was ignored."""
+    h, W, y, lp = _stream(N=6)
+    des = torch.tensor([True, False])
+    m = y >= 0
+
+    def call(*kl, kl_packed):
+        if level == "losses":
+            return hk.losses.kto(lp.view(2, 3), lp.view(2, 3), m.view(2, 3), des, *kl, kl_packed=kl_packed)
+        x = (h.view(2, 3, 4) @ W.T,) if level == "fused" else (h.view(2, 3, 4), W)
+        return getattr(hk, level).kto(*x, y.view(2, 3), lp.view(2, 3), des, *kl, kl_packed=kl_packed)
+
+    kl = (lp, lp.clone(), m)
+    with pytest.raises(ValueError, match="kl_packed must be a humanline_kernels.Packed"):
+        call(*kl, kl_packed=[0, 3, 6])
+    with pytest.raises(ValueError, match=r"kl_packed.cu_seqlens must start at 0, never decrease and end at the 6"):
+        call(*kl, kl_packed=hk.Packed([0, 3, 9]))
+    with pytest.raises(ValueError, match=r"kl_packed.max_seqlen=2 is shorter"):
+        call(*kl, kl_packed=hk.Packed([0, 3, 6], max_seqlen=2))
+    with pytest.raises(ValueError, match=r"kl_logps must have shape \[N\] or \[1, N\]"):
+        call(lp.view(2, 3), lp.view(2, 3), m.view(2, 3), kl_packed=hk.Packed([0, 3, 6]))
+    with pytest.raises(ValueError, match="kl_packed gives the boundaries of the KL rows"):
+        call(kl_packed=hk.Packed([0, 3, 6]))
+    call(*kl, kl_packed=hk.Packed([0, 3, 6]))  # (the same rows, well formed: accepted)
