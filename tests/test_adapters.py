@@ -153,6 +153,21 @@ def test_errors_name_the_problem():
             pass
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(every=0), "every must be a positive int"), (dict(overlap="no"), "overlap must be a bool"),
+    (dict(use_kernel=1), "use_kernel must be None, True or False"),
+    (dict(train=["default"]), "the train adapter's name must be a non-empty str"),
+    (dict(reference=""), "the reference adapter's name must be a non-empty str")])
+def test_bad_options_are_refused_before_the_reference_adapter_is_added(kw, match):
+    """for_adapters checked every / overlap / use_kernel only after adding the reference adapter to the model; a
+    list as an adapter name was a TypeError (unhashable) that named nothing."""
+    model = _model("lora")
+    with pytest.raises(ValueError, match=match):
+        hk.ReferenceSyncer.for_adapters(model, **kw)
+    assert sorted(model.peft_config) == ["default"]
+    assert not any(".reference." in n for n, _ in model.named_parameters())
+
+
 # ---- distributed (gloo, world size 2): the adapters are replicated (DDP) or sharded like their layer (FSDP2) ---
 def _grads_full(model):
     return [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for p in _trainable(model)]
