@@ -214,9 +214,18 @@ def device_check(ok, msg, detail=None):
         raise ValueError(msg + (detail() if detail else "")) from None
 
 
-def check_logits(logits, labels, p, validate):
+def check_flags(**flags):
+    """Each a bool: a string or a number would pass through ``bool()`` (``inplace_backward="no"`` writes into the
+    logits, ``validate=None`` skips the checks)."""
+    for name, v in flags.items():
+        check_flag(name, v)
+
+
+def check_logits(logits, labels, p, validate, **flags):
     """``logits [..., V]`` with a contiguous last dimension, ``labels [...]`` int64 on the same device, the
-    options ``p`` (temperature, ignore_index) and, with ``validate``, the label range."""
+    options ``p`` (temperature, ignore_index), ``validate`` and the call's other ``flags`` (:func:`check_flags`) and,
+    with ``validate``, the label range."""
+    check_flags(validate=validate, **flags)
     check_tensor("logits", logits, dtypes=LOGITS_DTYPES)
     if logits.dim() < 2:
         raise ValueError(f"logits must have shape [..., V] with at least 2 dimensions, got {_shape(logits)}")
@@ -244,17 +253,19 @@ def check_ref(p, ref_logps, labels):
         check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
 
 
-def check_logits_loss(logits, labels, ref_logps, p, validate):
+def check_logits_loss(logits, labels, ref_logps, p, validate, **flags):
     """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` (:func:`check_ref`)."""
-    check_logits(logits, labels, p, validate)
+    check_logits(logits, labels, p, validate, **flags)
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
     check_ref(p, ref_logps, labels)
 
 
-def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
+def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, **flags):
     """``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]`` of one dtype and device, ``labels`` shaped like
-    ``hidden`` without ``D``, the options ``p``, a positive ``chunk_bytes`` and, with ``validate``, the labels."""
+    ``hidden`` without ``D``, the options ``p``, a positive ``chunk_bytes``, ``validate`` and the call's other
+    ``flags`` (:func:`check_flags`) and, with ``validate``, the labels."""
+    check_flags(validate=validate, **flags)
     check_tensor("hidden", hidden, dtypes=LOGITS_DTYPES)
     if hidden.dim() < 2:
         raise ValueError(f"hidden must have shape [..., D] with at least 2 dimensions, got {_shape(hidden)}")

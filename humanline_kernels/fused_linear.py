@@ -214,7 +214,7 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
     if packed is not None:  # (the losses' order: the layout first, then the level's own checks)
         V.check_packed("hidden", hidden, labels, None, packed)
-    V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+    V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
     tm = None
     if supervised is not None:
         N = labels.numel()
@@ -226,7 +226,7 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     elif packed is not None:  # the stream's log-probs are its own whatever its sequences: boundaries checked only
         L.check_bounds(packed, labels.numel(), validate=validate)
     rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    logp, ent = _LinearLogprobs.apply(p, bool(return_entropy), rows, ops.use_kernels(hidden), tm, hidden, weight,
+    logp, ent = _LinearLogprobs.apply(p, return_entropy, rows, ops.use_kernels(hidden), tm, hidden, weight,
                                       bias, labels)
     return (logp, ent) if return_entropy else logp
 

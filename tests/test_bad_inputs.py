@@ -619,3 +619,42 @@ def test_kl_packed_errors_name_kl_packed(level):
     with pytest.raises(ValueError, match="kl_packed gives the boundaries of the KL rows"):
         call(kl_packed=hk.Packed([0, 3, 6]))
     call(*kl, kl_packed=hk.Packed([0, 3, 6]))  # (the same rows, well formed: accepted)
+
+
+# --- bool keywords are bools -------------------------------------------------------------------------------------
+
+def _flag_calls():
+    x, y, r = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)
+    h, W = torch.randn(2, 3, 4), torch.randn(5, 4)
+    des, adv = torch.tensor([True, False]), torch.ones(2)
+    return {
+        "token_logprobs": (lambda **kw: hk.token_logprobs(x, y, **kw),
+                           ("validate", "return_entropy", "inplace_backward")),
+        "reference.token_logprobs": (lambda **kw: hk.reference.token_logprobs(x, y, **kw),
+                                     ("validate", "return_entropy")),
+        "fused.grpo": (lambda **kw: hk.fused.grpo(x, y, r, adv, **kw),
+                       ("validate", "grad_in_forward", "inplace_backward")),
+        "fused.dpo": (lambda **kw: hk.fused.dpo(x, y, r, **kw), ("validate", "inplace_backward")),
+        "fused.kto": (lambda **kw: hk.fused.kto(x, y, r, des, **kw), ("validate", "inplace_backward")),
+        "fused.sequence_logratios": (lambda **kw: hk.fused.sequence_logratios(x, y, r, **kw),
+                                     ("validate", "inplace_backward", "normalize")),
+        "fused.simpo": (lambda **kw: hk.fused.simpo(x, y, **kw), ("validate", "inplace_backward")),
+        "fused_linear.token_logprobs": (lambda **kw: hk.fused_linear.token_logprobs(h, W, y, **kw),
+                                        ("validate", "return_entropy")),
+        "fused_linear.dpo": (lambda **kw: hk.fused_linear.dpo(h, W, y, r, **kw), ("validate",)),
+        "fused_linear.grpo": (lambda **kw: hk.fused_linear.grpo(h, W, y, r, adv, **kw), ("validate",)),
+        "fused_linear.kto": (lambda **kw: hk.fused_linear.kto(h, W, y, r, des, **kw), ("validate",)),
+    }
+
+
+@pytest.mark.parametrize("fn", list(_flag_calls()))
+@pytest.mark.parametrize("path", ["kernels", "eager"])
+def test_bool_keywords_refuse_what_bool_would_coerce(fn, path, monkeypatch):
+    """validate=None skipped the checks, inplace_backward="no" wrote the gradient into the caller's logits,
+    return_entropy="no" returned a tuple: a flag that is not a bool is refused by name, on either path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if path == "kernels" else "0")
+    call, flags = _flag_calls()[fn]
+    for flag in flags:
+        for bad in ("no", None, 1):
+            with pytest.raises(ValueError, match=f"{flag} must be a bool, got {bad!r}"):
+                call(**{flag: bad})
