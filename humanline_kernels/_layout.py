@@ -54,11 +54,15 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def _int_dtype(x: Tensor, name):
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {str(x.dtype).replace('torch.', '')}")
+
+
 def _host(x, name) -> list:
     """Integers known on the host: a Python sequence, or a tensor read once (a CPU tensor costs no sync)."""
     if isinstance(x, Tensor):
-        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integers, got dtype {str(x.dtype).replace('torch.', '')}")
+        _int_dtype(x, name)
         return x.tolist()
     if not isinstance(x, (list, tuple)):
         raise ValueError(f"{name} must be a tensor or a list of ints, got {type(x).__name__}")
@@ -106,6 +110,7 @@ class Packed:
         if not isinstance(position_ids, Tensor) or position_ids.dim() not in (1, 2) or (
                 position_ids.dim() == 2 and position_ids.shape[0] != 1):
             raise ValueError("position_ids must be a tensor [N] or [1, N]")
+        _int_dtype(position_ids, "position_ids")  # (a bool mask or float positions were read as starts at 0)
         pos = position_ids.reshape(-1)
         N = pos.numel()
         starts = (pos == 0).nonzero().flatten().tolist()
