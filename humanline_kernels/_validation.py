@@ -90,6 +90,8 @@ def check_dpo(p, B, like, inp=None):
     if (p.fast and p.f_alpha_divergence_coef == 0.5 and p.discopop_tau == 0.05
             and (inp is None or inp.log_sum_sq_probs is None)):  # DPO / cDPO, every other option at its default
         check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
+        if p.loss_weights is not None:  # ((True,) == (1.0,): a bool weight reaches this branch)
+            check_real("loss_weights", p.loss_weights[0])
         return ["sigmoid"], [1.0]
     return check_dpo_options(
         like, clip=p.clip, beta=p.beta, label_smoothing=p.label_smoothing, loss_type=p.loss_type,

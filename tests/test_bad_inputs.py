@@ -658,3 +658,19 @@ def test_bool_keywords_refuse_what_bool_would_coerce(fn, path, monkeypatch):
         for bad in ("no", None, 1):
             with pytest.raises(ValueError, match=f"{flag} must be a bool, got {bad!r}"):
                 call(**{flag: bad})
+
+
+@pytest.mark.parametrize("level", ["reference", "losses", "fused", "fused_linear"])
+def test_a_bool_loss_weight_is_refused_at_every_level(level):
+    """loss_weights=[True] with the one type "sigmoid" took plain DPO's shortcut ((True,) == (1.0,)) past the
+    weight's check, at every level."""
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(2, 3, 4, generator=g), torch.randn(5, 4, generator=g)
+    y, r = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)
+    lp = hk.reference.token_logprobs(h @ W.T, y)
+    args = {"reference": (lp, r, y >= 0), "losses": (lp, r, y >= 0), "fused": (h @ W.T, y, r),
+            "fused_linear": (h, W, y, r)}[level]
+    with pytest.raises(ValueError, match="loss_weights must be a finite real number, got True"):
+        getattr(hk, level).dpo(*args, loss_weights=[True])
+    getattr(hk, level).dpo(*args, loss_weights=[1.0])
+
