@@ -168,6 +168,16 @@ def test_bad_options_are_refused_before_the_reference_adapter_is_added(kw, match
     assert not any(".reference." in n for n, _ in model.named_parameters())
 
 
+def test_reference_adapter_refuses_a_non_bool_eval_mode():
+    """eval_mode="no" was true through bool(): the forward ran in eval mode."""
+    model = _model("lora")
+    hk.ReferenceSyncer.for_adapters(model)
+    with pytest.raises(ValueError, match="eval_mode must be a bool, got 'no'"):
+        with hk.reference_adapter(model, eval_mode="no"):
+            pass
+    assert model.active_adapter == "default"
+
+
 # ---- distributed (gloo, world size 2): the adapters are replicated (DDP) or sharded like their layer (FSDP2) ---
 def _grads_full(model):
     return [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for p in _trainable(model)]

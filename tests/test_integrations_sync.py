@@ -192,6 +192,8 @@ def test_callback_refuses_bad_arguments_at_construction(kw, match):
         HumanlineSyncCallback(**kw)
     cb = HumanlineSyncCallback(adapters=["default", "ref"], overlap=False)  # (a list from a config file: a pair)
     assert cb.adapters == ("default", "ref") and cb.overlap is False
+    with pytest.raises(ValueError, match="blocking must be a bool, got 'no'"):  # (was a blocking sync)
+        cb.reference_done(blocking="no")
 
 
 @pytest.mark.gpu

@@ -196,6 +196,8 @@ class HumanlineSyncCallback(TrainerCallback):
         Launches the copy on sync steps (overlapped on CUDA). ``blocking=True`` completes the copy and the step's
         sync at once (for DeepSpeed, where the update happens inside the backward).
         """
+        if not isinstance(blocking, bool):
+            raise ValueError(f"blocking must be a bool, got {blocking!r}")
         if self.syncer is None or self._waited:
             return
         if blocking:

@@ -144,6 +144,8 @@ def reference_adapter(peft_model: nn.Module, name: str = "reference", eval_mode:
     reference model is kept: no dropout). The previously active adapter, every submodule's train/eval mode and
     every parameter's ``requires_grad`` are restored afterwards, also when the forward raises (PEFT's
     ``set_adapter`` changes which adapter is trainable)."""
+    if not isinstance(eval_mode, bool):
+        raise ValueError(f"eval_mode must be a bool, got {eval_mode!r}")
     peft_model = _unwrap(peft_model)
     if name not in getattr(peft_model, "peft_config", {}):
         raise ValueError(f"adapter {name!r} not found; create it with hk.ReferenceSyncer.for_adapters(...)")
