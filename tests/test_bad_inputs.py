@@ -674,3 +674,32 @@ def test_a_bool_loss_weight_is_refused_at_every_level(level):
         getattr(hk, level).dpo(*args, loss_weights=[True])
     getattr(hk, level).dpo(*args, loss_weights=[1.0])
 
+
+
+def test_eager_and_kernel_paths_refuse_alike(monkeypatch):
+    """The refusals above come before the choice of path: the same exception and message on the Triton kernels and
+    on their eager twins (TRITON_INTERPRET=0 on CPU tensors)."""
+    h, W, y, lp = _stream(N=6)
+    des, m = torch.tensor([True, False]), (y >= 0).view(2, 3)
+    calls = [
+        lambda: hk.fused_linear.token_logprobs(h, W, y, supervised=[[0, 3], [0, 3]], packed=[0, 3, 6]),
+        lambda: hk.fused_linear.token_logprobs(h, W, y, packed=hk.Packed([0, 4, 9])),
+        lambda: hk.fused_linear.dpo(torch.randn(2, 3, 0), torch.randn(5, 0), y.view(2, 3), lp.view(2, 3)),
+        lambda: hk.fused.kto(h.view(2, 3, 4) @ W.T, y.view(2, 3), lp.view(2, 3), des, lp, lp, y >= 0,
+                             kl_packed=hk.Packed([0, 3, 9])),
+        lambda: hk.fused_linear.kto(h.view(2, 3, 4), W, y.view(2, 3), lp.view(2, 3), des,
+                                    kl_packed=hk.Packed([0, 3, 6])),
+        lambda: hk.fused.dpo(h.view(2, 3, 4) @ W.T, y.view(2, 3), lp.view(2, 3), inplace_backward="no"),
+        lambda: hk.fused.dpo(h.view(2, 3, 4) @ W.T, y.view(2, 3), lp.view(2, 3), loss_weights=[True]),
+        lambda: hk.losses.dpo(lp.view(2, 3), lp.view(2, 3), m, clip=hk.HumanlineClip(-1e300, 1.0)),
+    ]
+
+    def errors(interp):
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+        out = []
+        for call in calls:
+            with pytest.raises(ValueError) as e:
+                call()
+            out.append(str(e.value))
+        return out
+    assert errors("1") == errors("0")
