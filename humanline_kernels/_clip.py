@@ -8,6 +8,8 @@ import torch
 
 __all__ = ["HumanlineClip", "DEFAULT_CLIP", "clamp_band"]
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
+
 
 @dataclass(frozen=True)
 class HumanlineClip:
@@ -21,6 +23,10 @@ class HumanlineClip:
     The band must hold 0 (``log_eps_p <= 0 <= log_eps_r``): one that excludes it clamps every token of a policy
     equal to its reference (each step right after a sync) to a constant, with zero gradient, so that step does not
     train at all. (Such a band is usually the ratios ``eps_p``, ``eps_r`` passed instead of their logarithms.)
+
+    An end is ``-inf`` / ``inf`` (no bound on that side) or a finite number within float32's range: the kernels and
+    the fp32 log-probs hold the bounds in float32, where a larger one would become infinite on some paths and an
+    overflow error on others.
     """
 
     log_eps_p: float = -1.5
@@ -31,6 +37,9 @@ class HumanlineClip:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise ValueError(f"{name} must be a real number, got {v!r}")
+            if math.isfinite(v) and abs(v) > FLOAT32_MAX:
+                raise ValueError(f"{name} must be -inf, inf (no bound on that side) or a finite number within "
+                                 f"float32's range (|{name}| <= {FLOAT32_MAX:.7g}), got {v!r}")
         if self.log_eps_p > self.log_eps_r:
             raise ValueError(
                 f"log_eps_p must be <= log_eps_r, got log_eps_p={self.log_eps_p} > log_eps_r={self.log_eps_r}"

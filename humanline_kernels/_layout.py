@@ -44,7 +44,8 @@ from torch import Tensor
 
 from ._validation import device_check
 
-__all__ = ["Packed", "TokenMap", "packed_map", "supervised_map", "flat", "unpack", "unpack_like", "pack"]
+__all__ = ["Packed", "TokenMap", "packed_map", "check_bounds", "supervised_map", "flat", "unpack", "unpack_like",
+           "pack"]
 
 Ints = Union[Tensor, Sequence[int]]
 
@@ -53,11 +54,15 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def _int_dtype(x: Tensor, name):
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {str(x.dtype).replace('torch.', '')}")
+
+
 def _host(x, name) -> list:
     """Integers known on the host: a Python sequence, or a tensor read once (a CPU tensor costs no sync)."""
     if isinstance(x, Tensor):
-        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integers, got dtype {str(x.dtype).replace('torch.', '')}")
+        _int_dtype(x, name)
         return x.tolist()
     if not isinstance(x, (list, tuple)):
         raise ValueError(f"{name} must be a tensor or a list of ints, got {type(x).__name__}")
@@ -105,6 +110,7 @@ class Packed:
         if not isinstance(position_ids, Tensor) or position_ids.dim() not in (1, 2) or (
                 position_ids.dim() == 2 and position_ids.shape[0] != 1):
             raise ValueError("position_ids must be a tensor [N] or [1, N]")
+        _int_dtype(position_ids, "position_ids")  # (a bool mask or float positions were read as starts at 0)
         pos = position_ids.reshape(-1)
         N = pos.numel()
         starts = (pos == 0).nonzero().flatten().tolist()
@@ -151,29 +157,46 @@ def _shown(cu: list):
     return cu if len(cu) <= 12 else cu[:6] + ["..."] + cu[-3:]
 
 
-def _check_cu(cu: list, N: int, max_seqlen=None):
+def _check_cu(cu: list, N: int, max_seqlen=None, name="packed"):
+    """Host boundaries against a stream of ``N`` positions; ``name``: the argument that gave them (``packed``,
+    KTO's ``kl_packed``), for the message."""
     if cu[0] != 0 or cu[-1] != N or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the {N} packed positions, got "
-                         f"{_shown(cu)}")
+        raise ValueError(f"{name}.cu_seqlens must start at 0, never decrease and end at the {N} packed positions, "
+                         f"got {_shown(cu)}")
     longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     if max_seqlen is not None and longest > max_seqlen:
-        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest packed sequence ({longest} positions)")
+        raise ValueError(f"{name}.max_seqlen={max_seqlen} is shorter than the longest packed sequence ({longest} "
+                         "positions)")
 
 
-def _check_sizes(packed: Packed, N: int):
+def _check_sizes(packed: Packed, N: int, name="packed"):
     """What the shapes alone refute (no value read): positions without a sequence, or wider than ``max_seqlen``."""
     if N and packed.num_sequences < 1:
-        raise ValueError(f"cu_seqlens must hold at least one sequence ([0, N]) for {N} packed positions")
+        raise ValueError(f"{name}.cu_seqlens must hold at least one sequence ([0, N]) for {N} packed positions")
     if N and packed.max_seqlen == 0:
-        raise ValueError(f"max_seqlen must be > 0 for {N} packed positions")
+        raise ValueError(f"{name}.max_seqlen must be > 0 for {N} packed positions")
 
 
-def _check_cu_device(cu: Tensor, N: int, T: int):
-    """:func:`_check_cu` on the device, without a host sync: one device-side assert (a ``ValueError`` on the CPU)."""
+def _check_cu_device(cu: Tensor, N: int, T: int, name="packed"):
+    """:func:`_check_cu` on the device, without a host sync: one device-side assert (a ``ValueError`` on the CPU).
+    ``T``: the longest sequence allowed (``max_seqlen``; ``N`` bounds nothing more than the other rules do)."""
     d = torch.diff(cu, prepend=cu.new_zeros(1))  # d[0] = cu[0]: 0 when the first boundary is
     ok = ((d >= 0) & (d <= T)).all() & (d[0] == 0) & (cu[-1] == N)
-    device_check(ok, f"cu_seqlens must start at 0, never decrease, end at the {N} packed positions and hold no "
-                     f"sequence longer than max_seqlen={T}", lambda: f", got {_shown(cu.tolist())}")
+    longest = f" and hold no sequence longer than max_seqlen={T}" if T < N else ""
+    device_check(ok, f"{name}.cu_seqlens must start at 0, never decrease, end at the {N} packed positions{longest}",
+                 lambda: f", got {_shown(cu.tolist())}")
+
+
+def check_bounds(packed: Packed, N: int, *, validate=True, name="packed"):
+    """The rules of :func:`packed_map` for a call that needs no map (per-token log-probs of the stream are the
+    stream's whatever its sequences): on the host when the boundaries are there, else, with ``validate``, on the
+    device (no host sync)."""
+    _check_sizes(packed, N, name)
+    cu = packed.cu_seqlens
+    if not isinstance(cu, Tensor) or cu.device.type == "cpu":
+        _check_cu(packed.host_cu(), N, packed.max_seqlen, name)
+    elif validate:
+        _check_cu_device(cu.to(torch.int64), N, N if packed.max_seqlen is None else packed.max_seqlen, name)
 
 
 def _order(S, pairs):
@@ -184,15 +207,16 @@ def _order(S, pairs):
     return [r for j in range(P) for r in (j, P + j)]
 
 
-def packed_map(packed: Packed, N: int, device, *, pairs=False, host=False, validate=True) -> TokenMap:
+def packed_map(packed: Packed, N: int, device, *, pairs=False, host=False, validate=True, name="packed") -> TokenMap:
     """The map of every position of a packed stream of ``N`` positions (``host``: the row runs are needed on the
     host, so device boundaries are copied there once). The planes are ``max_seqlen`` wide when it is given, else as
-    wide as the longest sequence. ``validate=False`` skips the device-side check of tensor boundaries."""
+    wide as the longest sequence. ``validate=False`` skips the device-side check of tensor boundaries. ``name``: the
+    argument that gave ``packed``, for the messages."""
     S = packed.num_sequences
-    _check_sizes(packed, N)
+    _check_sizes(packed, N, name)
     if host or not isinstance(packed.cu_seqlens, Tensor) or packed.max_seqlen is None:
         cu = packed.host_cu()
-        _check_cu(cu, N, packed.max_seqlen)
+        _check_cu(cu, N, packed.max_seqlen, name)
         T = packed.max_seqlen if packed.max_seqlen is not None else max((b - a for a, b in zip(cu, cu[1:])), default=0)
         order = _order(S, pairs)
         plane, source = [], []
@@ -206,7 +230,7 @@ def packed_map(packed: Packed, N: int, device, *, pairs=False, host=False, valid
     cu = packed.cu_seqlens.to(device=device, dtype=torch.int64)
     T = packed.max_seqlen
     if validate:
-        _check_cu_device(cu, N, T)
+        _check_cu_device(cu, N, T, name)
     pos = torch.arange(N, device=device)
     seq = torch.searchsorted(cu[1:], pos, right=True).clamp(max=max(S - 1, 0))
     # clamped into the sequence's row even when checked: a device-side assert fails after the launches queued

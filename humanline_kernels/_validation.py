@@ -90,6 +90,8 @@ def check_dpo(p, B, like, inp=None):
     if (p.fast and p.f_alpha_divergence_coef == 0.5 and p.discopop_tau == 0.05
             and (inp is None or inp.log_sum_sq_probs is None)):  # DPO / cDPO, every other option at its default
         check_real("label_smoothing", p.label_smoothing, low=0.0, high=0.5)
+        if p.loss_weights is not None:  # ((True,) == (1.0,): a bool weight reaches this branch)
+            check_real("loss_weights", p.loss_weights[0])
         return ["sigmoid"], [1.0]
     return check_dpo_options(
         like, clip=p.clip, beta=p.beta, label_smoothing=p.label_smoothing, loss_type=p.loss_type,
@@ -214,9 +216,18 @@ def device_check(ok, msg, detail=None):
         raise ValueError(msg + (detail() if detail else "")) from None
 
 
-def check_logits(logits, labels, p, validate):
+def check_flags(**flags):
+    """Each a bool: a string or a number would pass through ``bool()`` (``inplace_backward="no"`` writes into the
+    logits, ``validate=None`` skips the checks)."""
+    for name, v in flags.items():
+        check_flag(name, v)
+
+
+def check_logits(logits, labels, p, validate, **flags):
     """``logits [..., V]`` with a contiguous last dimension, ``labels [...]`` int64 on the same device, the
-    options ``p`` (temperature, ignore_index) and, with ``validate``, the label range."""
+    options ``p`` (temperature, ignore_index), ``validate`` and the call's other ``flags`` (:func:`check_flags`) and,
+    with ``validate``, the label range."""
+    check_flags(validate=validate, **flags)
     check_tensor("logits", logits, dtypes=LOGITS_DTYPES)
     if logits.dim() < 2:
         raise ValueError(f"logits must have shape [..., V] with at least 2 dimensions, got {_shape(logits)}")
@@ -244,21 +255,25 @@ def check_ref(p, ref_logps, labels):
         check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
 
 
-def check_logits_loss(logits, labels, ref_logps, p, validate):
+def check_logits_loss(logits, labels, ref_logps, p, validate, **flags):
     """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` (:func:`check_ref`)."""
-    check_logits(logits, labels, p, validate)
+    check_logits(logits, labels, p, validate, **flags)
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
     check_ref(p, ref_logps, labels)
 
 
-def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
+def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, **flags):
     """``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]`` of one dtype and device, ``labels`` shaped like
-    ``hidden`` without ``D``, the options ``p``, a positive ``chunk_bytes`` and, with ``validate``, the labels."""
+    ``hidden`` without ``D``, the options ``p``, a positive ``chunk_bytes``, ``validate`` and the call's other
+    ``flags`` (:func:`check_flags`) and, with ``validate``, the labels."""
+    check_flags(validate=validate, **flags)
     check_tensor("hidden", hidden, dtypes=LOGITS_DTYPES)
     if hidden.dim() < 2:
         raise ValueError(f"hidden must have shape [..., D] with at least 2 dimensions, got {_shape(hidden)}")
     D = hidden.shape[-1]
+    if D == 0:
+        raise ValueError("hidden must have a non-empty hidden dimension (shape [..., D] with D > 0)")
     check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
     if weight.shape[1] != D:
         raise ValueError(f"weight must have shape [V, D] with D = hidden.shape[-1] = {D}, got {_shape(weight)}")
@@ -277,15 +292,16 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate):
         check_label_range(labels, weight.shape[0], p.ignore_index)
 
 
-def check_packed(name, x, labels, ref_logps, packed, p=None):
-    """A packed batch (:class:`~humanline_kernels.Packed`): ``x`` (``logits``, ``hidden`` or ``logps``) is
-    ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]`` (``labels`` is checked against
-    ``x`` by the level's own check; ``ref_logps`` shaped like it, :func:`check_ref` for the loss ``p``)."""
+def check_packed(name, x, labels, ref_logps, packed, p=None, *, packed_name="packed"):
+    """A packed batch (:class:`~humanline_kernels.Packed`, given as ``packed_name``): ``x`` (``logits``, ``hidden``
+    or ``logps``; KTO's ``kl_logps``) is ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]``
+    (``labels`` is checked against ``x`` by the level's own check; ``ref_logps`` shaped like it, :func:`check_ref`
+    for the loss ``p``)."""
     from ._layout import Packed
     if not isinstance(packed, Packed):
-        raise ValueError(f"packed must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
+        raise ValueError(f"{packed_name} must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
                          f"{type(packed).__name__}")
-    per_token = name == "logps"
+    per_token = name.endswith("logps")
     if not isinstance(x, torch.Tensor) or x.dim() not in ((1, 2) if per_token else (2, 3)) or (
             x.dim() == (2 if per_token else 3) and x.shape[0] != 1):
         want = "[N] or [1, N]" if per_token else "[N, V] or [1, N, V]" if name == "logits" else "[N, D] or [1, N, D]"

@@ -125,9 +125,9 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     bumped). ``validate=False`` skips the label range check, the only check that synchronises with the device.
     """
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    V.check_logits(logits, labels, p, validate)
+    V.check_logits(logits, labels, p, validate, return_entropy=return_entropy, inplace_backward=inplace_backward)
     kernels = ops.use_kernels(logits)
-    logp, ent = _TokenLogprobs.apply(p, bool(return_entropy), bool(inplace_backward), kernels, logits, labels)
+    logp, ent = _TokenLogprobs.apply(p, return_entropy, inplace_backward, kernels, logits, labels)
     return (logp, ent) if return_entropy else logp
 
 
@@ -318,15 +318,16 @@ def _eager(p, logits, labels, ref_logps, inp, lay=None):
     return losses.compute(p, logps, ref_logps, mask, inp)
 
 
-def _logits_level(p, logits, labels, ref_logps, packed, validate):
-    """The checked ``(logits, labels [B, T], ref_logps, lay)`` of a loss call: as given (``lay`` None), or of a
-    packed batch (:class:`~humanline_kernels.Packed`): ``logits [N, V]`` as they are, the per-token tensors moved
-    to the padded rows ``[S, T]`` (:func:`._layout.unpack`), ``lay = (map, packed labels)``."""
+def _logits_level(p, logits, labels, ref_logps, packed, validate, **flags):
+    """The checked ``(logits, labels [B, T], ref_logps, lay)`` of a loss call (``flags``: its bool keywords): as
+    given (``lay`` None), or of a packed batch (:class:`~humanline_kernels.Packed`): ``logits [N, V]`` as they are,
+    the per-token tensors moved to the padded rows ``[S, T]`` (:func:`._layout.unpack`), ``lay = (map, packed
+    labels)``."""
     if packed is None:
-        V.check_logits_loss(logits, labels, ref_logps, p, validate)
+        V.check_logits_loss(logits, labels, ref_logps, p, validate, **flags)
         return logits, labels, ref_logps, None
     V.check_packed("logits", logits, labels, ref_logps, packed, p)
-    V.check_logits(logits, labels, p, validate)
+    V.check_logits(logits, labels, p, validate, **flags)
     x = logits.reshape(-1, logits.shape[-1])
     tm = L.packed_map(packed, x.shape[0], x.device, validate=validate)
     ref = None if ref_logps is None else L.unpack(ref_logps, tm, 0.0)
@@ -363,14 +364,15 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
                                  loss_type=loss_type, normalizer=normalizer,
                                  max_completion_length=max_completion_length, temperature=temperature,
                                  ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+                                                   grad_in_forward=grad_in_forward, inplace_backward=inplace_backward)
     inp = GRPOInputs(_per_token(advantages, lay, True), _per_token(kl_ref_logps, lay), norm)
     V.check_grpo(p, labels.shape, ref_logps, inp)
     if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
         return _eager(p, logits, labels, ref_logps, inp, lay)
     gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
     fn = _GrpoGradInForward if gif else _FusedLoss
-    loss, met = fn.apply(p, bool(inplace_backward), _tokens(lay), logits, labels, *_distinct(ref_logps, *inp))
+    loss, met = fn.apply(p, inplace_backward, _tokens(lay), logits, labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)
 
 
@@ -388,13 +390,14 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
     V.check_fused_dpo(p)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+                                                   inplace_backward=inplace_backward)
     mixture = V.check_dpo(p, labels.shape[0], ref_logps)
     V.check_fused_dpo(p, mixture[0])
     if not ops.use_kernels(logits, ref_logps):
         return _eager(p, logits, labels, ref_logps, DPOInputs(), lay)
     if p.fast:
-        loss, met = _FusedLoss.apply(p, bool(inplace_backward), _tokens(lay), logits, labels, ref_logps)
+        loss, met = _FusedLoss.apply(p, inplace_backward, _tokens(lay), logits, labels, ref_logps)
         return loss, named_metrics("dpo", met)
     mask = labels != ignore_index
     tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha)
@@ -412,7 +415,8 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
     rows packed (as for :func:`grpo`; the KL rows ``[N_kl]`` with boundaries of their own)."""
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+                                                   inplace_backward=inplace_backward)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
     V.check_kto(p, labels.shape[0], labels.device, inp)
@@ -423,7 +427,7 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
         return losses.from_rows(p, *rows, inp)
     if losses.distributed() or kl_estimate != "halos":  # the finalize kernel finds HALOs' baseline on one rank only
         inp = inp._replace(z0=losses.kto_kl_baseline(kl_logps, kl_ref_logps, kl_mask, clip, ref_logps, kl_estimate))
-    loss, met = _FusedLoss.apply(p, bool(inplace_backward), _tokens(lay), logits, labels,
+    loss, met = _FusedLoss.apply(p, inplace_backward, _tokens(lay), logits, labels,
                                  *_distinct(ref_logps, *inp))
     return loss, named_metrics("kto", met)
 
@@ -435,7 +439,8 @@ def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False,
     row kernel and one sums kernel forward, one launch backward, whatever loss is built on the sums. ``packed``:
     a padding-free batch (as for :func:`grpo`), one sum per sequence."""
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+                                                   inplace_backward=inplace_backward)
     V.check_sequence(p)
     if ops.use_kernels(logits, ref_logps):
         rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
@@ -450,7 +455,8 @@ def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, igno
     """Humanline IPO from ``logits [2P, T, V]`` (or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.ipo`."""
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+                                                   inplace_backward=inplace_backward)
     V.check_ipo(p, labels.shape[0])
     if not ops.use_kernels(logits, ref_logps):
         return _eager(p, logits, labels, ref_logps, None, lay)
@@ -463,7 +469,7 @@ def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, tempera
     :func:`humanline_kernels.losses.simpo`."""
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
-    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate)
+    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
     V.check_simpo(p, labels.shape[0])
     if not ops.use_kernels(logits):
         return _eager(p, logits, labels, None, None, lay)
@@ -475,7 +481,7 @@ def slic(logits, labels, *, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.
     """Humanline SLiC from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.slic`."""
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate)
+    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
     V.check_slic(p, labels.shape[0])
     if not ops.use_kernels(logits):
         return _eager(p, logits, labels, None, None, lay)

@@ -206,11 +206,15 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
 
     ``supervised`` (ranges ``[R, 2]`` on the host: per row of ``labels`` viewed as ``[R, T]``, or per sequence of
     ``packed``, the positions ``[start, end)`` that may carry a label) runs the lm_head on those positions only;
-    the others get log-prob 0 and an exact 0 gradient (docs/fused_linear.md, "Layouts").
+    the others get log-prob 0 and an exact 0 gradient (docs/fused_linear.md, "Layouts"). ``packed``
+    (:class:`~humanline_kernels.Packed`): ``hidden [N, D]`` or ``[1, N, D]`` is a padding-free stream; without
+    ``supervised`` the log-probs are the stream's as they are, and only its boundaries are checked.
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+    if packed is not None:  # (the losses' order: the layout first, then the level's own checks)
+        V.check_packed("hidden", hidden, labels, None, packed)
+    V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
     tm = None
     if supervised is not None:
         N = labels.numel()
@@ -219,8 +223,10 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
         tm = L.flat(L.supervised_map(supervised, R, T, hidden.device, packed=packed, N=N))
         if validate:
             V.check_supervised(labels, labels.reshape(-1).index_select(0, tm.plane), ignore_index)
+    elif packed is not None:  # the stream's log-probs are its own whatever its sequences: boundaries checked only
+        L.check_bounds(packed, labels.numel(), validate=validate)
     rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    logp, ent = _LinearLogprobs.apply(p, bool(return_entropy), rows, ops.use_kernels(hidden), tm, hidden, weight,
+    logp, ent = _LinearLogprobs.apply(p, return_entropy, rows, ops.use_kernels(hidden), tm, hidden, weight,
                                       bias, labels)
     return (logp, ent) if return_entropy else logp
 

@@ -477,24 +477,30 @@ def grpo_params(*, clip, beta, epsilon_low, epsilon_high, loss_type, normalizer,
 
 
 # ------------------------------------------------------------------ layouts: a packed batch on the padded rows
-def unpacked(packed, logps, *per_token, per_sequence=()):
+def unpacked(packed, logps, *per_token, per_sequence=(), names=("packed", "logps")):
     """The per-token tensors of a packed batch (``[N]`` or ``[1, N]``, shaped like ``logps``; others, e.g. one
     advantage per sequence, pass as they are) on the padded rows ``[S, T]`` that every loss is defined on (a scatter,
     differentiable; :class:`~humanline_kernels.Packed`); all as given without one. ``per_sequence``: the positions
-    in ``per_token`` of inputs that may hold one value per sequence (:func:`._layout.unpack_like`)."""
+    in ``per_token`` of inputs that may hold one value per sequence (:func:`._layout.unpack_like`). ``names``: the
+    arguments ``packed`` and ``logps`` were given as, for the messages."""
     if packed is None:
         return (logps, *per_token)
-    V.check_packed("logps", logps, logps, None, packed)
-    tm = L.packed_map(packed, logps.numel(), logps.device)
+    V.check_packed(names[1], logps, logps, None, packed, packed_name=names[0])
+    tm = L.packed_map(packed, logps.numel(), logps.device, name=names[0])
     return (L.unpack_like(logps, tm, logps),
             *(L.unpack_like(t, tm, logps, i in per_sequence) for i, t in enumerate(per_token)))
 
 
 def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):
     """KTO's KL rows on padded rows (``kl_packed``: they come packed, with boundaries of their own)."""
-    if kl_packed is None or kl_logps is None:
+    if kl_packed is None:
         return kl_logps, kl_ref_logps, kl_mask
-    return unpacked(kl_packed, kl_logps, kl_ref_logps, kl_mask)
+    if kl_logps is None and kl_ref_logps is None and kl_mask is None:
+        raise ValueError("kl_packed gives the boundaries of the KL rows: pass kl_logps, kl_ref_logps and kl_mask "
+                         "with it (or kl_packed=None)")
+    if kl_logps is None:  # (the three come together or not at all: check_kto names them)
+        return kl_logps, kl_ref_logps, kl_mask
+    return unpacked(kl_packed, kl_logps, kl_ref_logps, kl_mask, names=("kl_packed", "kl_logps"))
 
 
 # ------------------------------------------------------------------ the public functions of this level

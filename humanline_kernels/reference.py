@@ -47,7 +47,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     With ``return_entropy`` also returns the entropy of ``softmax(logits / temperature)``, 0 where ignored,
     differentiable (``dH/dz = -p (log p + H) / temperature``: an entropy bonus trains through it).
     """
-    V.check_logits(logits, labels, Tokens(temperature=temperature, ignore_index=ignore_index), validate)
+    V.check_logits(logits, labels, Tokens(temperature=temperature, ignore_index=ignore_index), validate,
+                   return_entropy=return_entropy)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     mask = labels != ignore_index
     logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)

@@ -153,6 +153,31 @@ def test_errors_name_the_problem():
             pass
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(every=0), "every must be a positive int"), (dict(overlap="no"), "overlap must be a bool"),
+    (dict(use_kernel=1), "use_kernel must be None, True or False"),
+    (dict(train=["default"]), "the train adapter's name must be a non-empty str"),
+    (dict(reference=""), "the reference adapter's name must be a non-empty str")])
+def test_bad_options_are_refused_before_the_reference_adapter_is_added(kw, match):
+    """for_adapters checked every / overlap / use_kernel only after adding the reference adapter to the model; a
+    list as an adapter name was a TypeError (unhashable) that named nothing."""
+    model = _model("lora")
+    with pytest.raises(ValueError, match=match):
+        hk.ReferenceSyncer.for_adapters(model, **kw)
+    assert sorted(model.peft_config) == ["default"]
+    assert not any(".reference." in n for n, _ in model.named_parameters())
+
+
+def test_reference_adapter_refuses_a_non_bool_eval_mode():
+    """eval_mode="no" was true through bool(): the forward ran in eval mode."""
+    model = _model("lora")
+    hk.ReferenceSyncer.for_adapters(model)
+    with pytest.raises(ValueError, match="eval_mode must be a bool, got 'no'"):
+        with hk.reference_adapter(model, eval_mode="no"):
+            pass
+    assert model.active_adapter == "default"
+
+
 # ---- distributed (gloo, world size 2): the adapters are replicated (DDP) or sharded like their layer (FSDP2) ---
 def _grads_full(model):
     return [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for p in _trainable(model)]

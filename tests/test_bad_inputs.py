@@ -1,4 +1,6 @@
 """Every bad input of docs/design.md raises a ValueError naming the argument, before any work is done."""
+import math
+
 import pytest
 import torch
 
@@ -432,3 +434,272 @@ def test_malformed_tensors_are_refused_before_anything_runs():
         hk.fused_linear.grpo(None, torch.randn(7, 4), y[None], ref[None], torch.ones(1))
     with pytest.raises(ValueError, match="ref_logps must be a torch.Tensor"):
         hk.losses.dpo(ref[:4], ref[:4].tolist(), y[:4] >= 0, packed=hk.Packed([0, 2, 4]))
+
+
+# --- the clip band's ends: -inf / inf (no bound on that side) or finite within float32's range ----------------------
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("band, name", [((-1e300, 1e300), "log_eps_p"), ((-1.0, 1e300), "log_eps_r"),
+                                        ((-3.5e38, 1.0), "log_eps_p"), ((0.0, 3.5e38), "log_eps_r")])
+def test_clip_end_beyond_float32_is_refused(band, name):
+    """A finite end float32 cannot hold became inf in the kernels and an overflow RuntimeError in hk.losses and
+    hk.reference: refused where the band is built, so every path (and every config that builds one) agrees."""
+    with pytest.raises(ValueError, match=f"{name} must be -inf, inf .* within float32's range"):
+        hk.HumanlineClip(*band)
+
+
+def test_clip_ends_at_float32_max_run_everywhere():
+    lp, ref, m = _lp()
+    c = hk.HumanlineClip(-F32_MAX, F32_MAX)
+    want = hk.reference.dpo(lp, ref, m, clip=None)[0]
+    for level in (hk.reference, hk.losses):
+        torch.testing.assert_close(level.dpo(lp, ref, m, clip=c)[0], want)
+
+
+def _inf_band_case(name, dtype):
+    g = torch.Generator().manual_seed(5)
+    B, T, V, D = 4, 5, 11, 6
+    h, W = torch.randn(B, T, D, generator=g, dtype=dtype), torch.randn(V, D, generator=g, dtype=dtype)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[1, :2] = -100
+    ref = hk.reference.token_logprobs(h @ W.T, y).float().detach() + 2 * torch.randn(B, T, generator=g)
+    extra = {"grpo": (torch.randn(B, generator=g),), "kto": (torch.tensor([True, False, True, True]),)}.get(name, ())
+    return h, W, y, ref, extra
+
+
+@pytest.mark.parametrize("band", [(-math.inf, math.inf), (-math.inf, 0.5), (-0.5, math.inf)], ids=str)
+@pytest.mark.parametrize("name", ["dpo", "kto", "grpo"])
+@pytest.mark.parametrize("path", ["kernels", "eager"])
+def test_clip_infinite_end_is_no_bound_on_that_side(band, name, path, monkeypatch):
+    """-inf / inf: no bound on that side, on every level and path: the loss, the metrics and the gradient of
+    hk.reference with the same band, and with both ends infinite those of the plain objective (clip=None)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if path == "kernels" else "0")
+    h, W, y, ref, extra = _inf_band_case(name, torch.float32)
+    c = hk.HumanlineClip(*band)
+    m = y != -100
+
+    def reference(h, clip):
+        lp = hk.reference.token_logprobs(h @ W.T, y)
+        per_token = (extra[0], m) if name == "grpo" else (m, *extra)
+        return getattr(hk.reference, name)(lp, ref, *per_token, clip=clip)
+
+    def levels(h):
+        lp = hk.reference.token_logprobs(h @ W.T, y)
+        per_token = (extra[0], m) if name == "grpo" else (m, *extra)
+        yield "losses", getattr(hk.losses, name)(lp, ref, *per_token, clip=c)
+        yield "fused", getattr(hk.fused, name)(h @ W.T, y, ref, *extra, clip=c)
+        yield "fused_linear", getattr(hk.fused_linear, name)(h, W, y, ref, *extra, clip=c)
+
+    hw = h.clone().requires_grad_()
+    want, want_met = reference(hw, c)
+    (want_g,) = torch.autograd.grad(want, hw)
+    if band == (-math.inf, math.inf):
+        plain, plain_met = reference(h, None)
+        torch.testing.assert_close(want, plain)
+        assert want_met["unclipped_frac"] == plain_met["unclipped_frac"] == 1.0
+    hg = h.clone().requires_grad_()
+    for level, (loss, met) in levels(hg):
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=level)
+        for k, v in want_met.items():
+            torch.testing.assert_close(met[k], v, rtol=1e-5, atol=1e-6, msg=f"{level} {k}")
+        (g,) = torch.autograd.grad(loss, hg)
+        torch.testing.assert_close(g, want_g, rtol=1e-4, atol=1e-6, msg=level)
+
+
+@pytest.mark.parametrize("field, value", [("log_eps_r", 1e300), ("log_eps_p", -1e39)])
+@pytest.mark.parametrize("config", ["HumanlineDPOConfig", "HumanlineKTOConfig", "HumanlineGRPOConfig"])
+def test_trl_configs_refuse_a_clip_end_beyond_float32(config, field, value, tmp_path):
+    """The TRL configs build the band at construction: refused there, not at the first training step."""
+    trl = pytest.importorskip("humanline_kernels.integrations.trl")
+    cls = getattr(trl, config)
+    with pytest.raises(ValueError, match=f"{field} must be -inf, inf"):
+        cls(str(tmp_path), use_cpu=True, report_to=[], **{field: value})
+    c = cls(str(tmp_path), use_cpu=True, report_to=[], log_eps_r=math.inf)  # (no bound above: accepted)
+    assert c.log_eps_r == math.inf
+
+
+# --- the hidden level's shapes ---------------------------------------------------------------------------------------
+
+LINEAR_FNS = {
+    "token_logprobs": lambda h, W, y: hk.fused_linear.token_logprobs(h, W, y),
+    "token_logprobs_nograd": lambda h, W, y: hk.fused_linear.token_logprobs_nograd(h, W, y),
+    "dpo": lambda h, W, y: hk.fused_linear.dpo(h, W, y, torch.zeros(y.shape)),
+    "kto": lambda h, W, y: hk.fused_linear.kto(h, W, y, torch.zeros(y.shape), torch.tensor([True, False])),
+    "grpo": lambda h, W, y: hk.fused_linear.grpo(h, W, y, torch.zeros(y.shape), torch.ones(2)),
+    "sequence_logratios": lambda h, W, y: hk.fused_linear.sequence_logratios(h, W, y, torch.zeros(y.shape)),
+    "ipo": lambda h, W, y: hk.fused_linear.ipo(h, W, y, torch.zeros(y.shape)),
+    "simpo": lambda h, W, y: hk.fused_linear.simpo(h, W, y),
+    "slic": lambda h, W, y: hk.fused_linear.slic(h, W, y),
+}
+
+
+@pytest.mark.parametrize("fn", list(LINEAR_FNS))
+def test_hidden_size_zero_is_refused_by_name(fn):
+    """D = 0 (as V = 0 already was): a raw reshape error from inside the chunk loop before."""
+    y = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden must have a non-empty hidden dimension"):
+        LINEAR_FNS[fn](torch.randn(2, 3, 0), torch.randn(5, 0), y)
+    with pytest.raises(ValueError, match=r"weight must have a non-empty vocabulary dimension"):
+        LINEAR_FNS[fn](torch.randn(2, 3, 4), torch.randn(0, 4), y)
+
+
+# --- packed layouts: the same answer at every level ------------------------------------------------------------------
+
+def _stream(N=7, D=4, V=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(N, D, generator=g), torch.randn(V, D, generator=g), torch.randint(0, V, (N,), generator=g),
+            torch.randn(N, generator=g))
+
+
+def test_packed_as_a_list_is_refused_by_name_at_every_level():
+    """hk.fused_linear.token_logprobs took packed=[...] to an AttributeError from inside the supervised map; every
+    level refuses a list by name (hk.Packed takes the list)."""
+    h, W, y, lp = _stream(N=6)
+    calls = {
+        "fused_linear.token_logprobs": lambda: hk.fused_linear.token_logprobs(h, W, y, supervised=[[0, 3], [0, 3]],
+                                                                              packed=[0, 3, 6]),
+        "fused_linear.token_logprobs (dense)": lambda: hk.fused_linear.token_logprobs(h, W, y, packed=[0, 3, 6]),
+        "fused_linear.dpo": lambda: hk.fused_linear.dpo(h, W, y, lp, packed=[0, 3, 6]),
+        "fused.dpo": lambda: hk.fused.dpo(h @ W.T, y, lp, packed=[0, 3, 6]),
+        "losses.dpo": lambda: hk.losses.dpo(lp, lp, y >= 0, packed=[0, 3, 6]),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match="packed must be a humanline_kernels.Packed"):
+            call()
+            pytest.fail(what)
+
+
+@pytest.mark.parametrize("packed, match", [
+    (hk.Packed([0, 4, 9]), r"packed.cu_seqlens must start at 0, never decrease and end at the 7 packed positions"),
+    (hk.Packed(torch.tensor([0, 4, 9])), r"packed.cu_seqlens must start at 0"),
+    (hk.Packed(torch.tensor([3, 4, 7]), max_seqlen=4), r"packed.cu_seqlens must start at 0"),
+    (hk.Packed([0, 4, 7], max_seqlen=3), r"packed.max_seqlen=3 is shorter than the longest packed sequence"),
+    (hk.Packed([0]), r"packed.cu_seqlens must hold at least one sequence"),
+], ids=["list", "tensor", "tensor_max_seqlen", "max_seqlen", "no_sequence"])
+def test_fused_linear_token_logprobs_checks_packed_without_supervised(packed, match):
+    """Without supervised ranges the packed boundaries were ignored (ending at 9 for a 7-position stream): checked as
+    at the losses. A stream whose boundaries hold gives the log-probs of the call without them."""
+    h, W, y, _ = _stream()
+    with pytest.raises(ValueError, match=match):
+        hk.fused_linear.token_logprobs(h, W, y, packed=packed)
+    with pytest.raises(ValueError, match=r"hidden must have shape \[N, D\] or \[1, N, D\]"):
+        hk.fused_linear.token_logprobs(h.view(1, 7, 4).expand(2, 7, 4), W, y.expand(2, 7),
+                                       packed=hk.Packed([0, 4, 7]))
+    want = hk.fused_linear.token_logprobs(h, W, y)
+    for good in (hk.Packed([0, 4, 7]), hk.Packed(torch.tensor([0, 4, 7]), max_seqlen=4)):
+        torch.testing.assert_close(hk.fused_linear.token_logprobs(h, W, y, packed=good), want)
+        torch.testing.assert_close(hk.fused_linear.token_logprobs(h[None], W, y[None], packed=good), want[None])
+
+
+@pytest.mark.parametrize("level", ["losses", "fused", "fused_linear"])
+def test_kl_packed_errors_name_kl_packed(level):
+    """KTO's KL rows packed: a bad kl_packed was reported as `packed` (the batch's own argument), a bad kl_logps as
+    `logps`; kl_packed without KL rows was ignored."""
+    h, W, y, lp = _stream(N=6)
+    des = torch.tensor([True, False])
+    m = y >= 0
+
+    def call(*kl, kl_packed):
+        if level == "losses":
+            return hk.losses.kto(lp.view(2, 3), lp.view(2, 3), m.view(2, 3), des, *kl, kl_packed=kl_packed)
+        x = (h.view(2, 3, 4) @ W.T,) if level == "fused" else (h.view(2, 3, 4), W)
+        return getattr(hk, level).kto(*x, y.view(2, 3), lp.view(2, 3), des, *kl, kl_packed=kl_packed)
+
+    kl = (lp, lp.clone(), m)
+    with pytest.raises(ValueError, match="kl_packed must be a humanline_kernels.Packed"):
+        call(*kl, kl_packed=[0, 3, 6])
+    with pytest.raises(ValueError, match=r"kl_packed.cu_seqlens must start at 0, never decrease and end at the 6"):
+        call(*kl, kl_packed=hk.Packed([0, 3, 9]))
+    with pytest.raises(ValueError, match=r"kl_packed.max_seqlen=2 is shorter"):
+        call(*kl, kl_packed=hk.Packed([0, 3, 6], max_seqlen=2))
+    with pytest.raises(ValueError, match=r"kl_logps must have shape \[N\] or \[1, N\]"):
+        call(lp.view(2, 3), lp.view(2, 3), m.view(2, 3), kl_packed=hk.Packed([0, 3, 6]))
+    with pytest.raises(ValueError, match="kl_packed gives the boundaries of the KL rows"):
+        call(kl_packed=hk.Packed([0, 3, 6]))
+    call(*kl, kl_packed=hk.Packed([0, 3, 6]))  # (the same rows, well formed: accepted)
+
+
+# --- bool keywords are bools -------------------------------------------------------------------------------------
+
+def _flag_calls():
+    x, y, r = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)
+    h, W = torch.randn(2, 3, 4), torch.randn(5, 4)
+    des, adv = torch.tensor([True, False]), torch.ones(2)
+    return {
+        "token_logprobs": (lambda **kw: hk.token_logprobs(x, y, **kw),
+                           ("validate", "return_entropy", "inplace_backward")),
+        "reference.token_logprobs": (lambda **kw: hk.reference.token_logprobs(x, y, **kw),
+                                     ("validate", "return_entropy")),
+        "fused.grpo": (lambda **kw: hk.fused.grpo(x, y, r, adv, **kw),
+                       ("validate", "grad_in_forward", "inplace_backward")),
+        "fused.dpo": (lambda **kw: hk.fused.dpo(x, y, r, **kw), ("validate", "inplace_backward")),
+        "fused.kto": (lambda **kw: hk.fused.kto(x, y, r, des, **kw), ("validate", "inplace_backward")),
+        "fused.sequence_logratios": (lambda **kw: hk.fused.sequence_logratios(x, y, r, **kw),
+                                     ("validate", "inplace_backward", "normalize")),
+        "fused.simpo": (lambda **kw: hk.fused.simpo(x, y, **kw), ("validate", "inplace_backward")),
+        "fused_linear.token_logprobs": (lambda **kw: hk.fused_linear.token_logprobs(h, W, y, **kw),
+                                        ("validate", "return_entropy")),
+        "fused_linear.dpo": (lambda **kw: hk.fused_linear.dpo(h, W, y, r, **kw), ("validate",)),
+        "fused_linear.grpo": (lambda **kw: hk.fused_linear.grpo(h, W, y, r, adv, **kw), ("validate",)),
+        "fused_linear.kto": (lambda **kw: hk.fused_linear.kto(h, W, y, r, des, **kw), ("validate",)),
+    }
+
+
+@pytest.mark.parametrize("fn", list(_flag_calls()))
+@pytest.mark.parametrize("path", ["kernels", "eager"])
+def test_bool_keywords_refuse_what_bool_would_coerce(fn, path, monkeypatch):
+    """validate=None skipped the checks, inplace_backward="no" wrote the gradient into the caller's logits,
+    return_entropy="no" returned a tuple: a flag that is not a bool is refused by name, on either path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if path == "kernels" else "0")
+    call, flags = _flag_calls()[fn]
+    for flag in flags:
+        for bad in ("no", None, 1):
+            with pytest.raises(ValueError, match=f"{flag} must be a bool, got {bad!r}"):
+                call(**{flag: bad})
+
+
+@pytest.mark.parametrize("level", ["reference", "losses", "fused", "fused_linear"])
+def test_a_bool_loss_weight_is_refused_at_every_level(level):
+    """loss_weights=[True] with the one type "sigmoid" took plain DPO's shortcut ((True,) == (1.0,)) past the
+    weight's check, at every level."""
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(2, 3, 4, generator=g), torch.randn(5, 4, generator=g)
+    y, r = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)
+    lp = hk.reference.token_logprobs(h @ W.T, y)
+    args = {"reference": (lp, r, y >= 0), "losses": (lp, r, y >= 0), "fused": (h @ W.T, y, r),
+            "fused_linear": (h, W, y, r)}[level]
+    with pytest.raises(ValueError, match="loss_weights must be a finite real number, got True"):
+        getattr(hk, level).dpo(*args, loss_weights=[True])
+    getattr(hk, level).dpo(*args, loss_weights=[1.0])
+
+
+
+def test_eager_and_kernel_paths_refuse_alike(monkeypatch):
+    """The refusals above come before the choice of path: the same exception and message on the Triton kernels and
+    on their eager twins (TRITON_INTERPRET=0 on CPU tensors)."""
+    h, W, y, lp = _stream(N=6)
+    des, m = torch.tensor([True, False]), (y >= 0).view(2, 3)
+    calls = [
+        lambda: hk.fused_linear.token_logprobs(h, W, y, supervised=[[0, 3], [0, 3]], packed=[0, 3, 6]),
+        lambda: hk.fused_linear.token_logprobs(h, W, y, packed=hk.Packed([0, 4, 9])),
+        lambda: hk.fused_linear.dpo(torch.randn(2, 3, 0), torch.randn(5, 0), y.view(2, 3), lp.view(2, 3)),
+        lambda: hk.fused.kto(h.view(2, 3, 4) @ W.T, y.view(2, 3), lp.view(2, 3), des, lp, lp, y >= 0,
+                             kl_packed=hk.Packed([0, 3, 9])),
+        lambda: hk.fused_linear.kto(h.view(2, 3, 4), W, y.view(2, 3), lp.view(2, 3), des,
+                                    kl_packed=hk.Packed([0, 3, 6])),
+        lambda: hk.fused.dpo(h.view(2, 3, 4) @ W.T, y.view(2, 3), lp.view(2, 3), inplace_backward="no"),
+        lambda: hk.fused.dpo(h.view(2, 3, 4) @ W.T, y.view(2, 3), lp.view(2, 3), loss_weights=[True]),
+        lambda: hk.losses.dpo(lp.view(2, 3), lp.view(2, 3), m, clip=hk.HumanlineClip(-1e300, 1.0)),
+    ]
+
+    def errors(interp):
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+        out = []
+        for call in calls:
+            with pytest.raises(ValueError) as e:
+                call()
+            out.append(str(e.value))
+        return out
+    assert errors("1") == errors("0")

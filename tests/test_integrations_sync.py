@@ -171,6 +171,31 @@ def test_callback_standalone(tmp_path):
     assert torch.equal(ref.weight, pol.weight) and torch.equal(ref.bias, pol.bias) and cb.num_syncs == 1
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(overlap="no"), "overlap must be a bool"), (dict(overlap=1), "overlap must be a bool"),
+    (dict(adapters="ref"), r"adapters must be a pair of adapter names \(train, reference\)"),
+    (dict(adapters=("default",)), "adapters must be a pair"),
+    (dict(adapters=("a", "a")), "adapters: train and reference must be different adapters"),
+    (dict(adapters=(None, "ref")), "adapters: the train adapter's name must be a non-empty str"),
+    (dict(ref_model="model"), "ref_model must be a torch.nn.Module or None"),
+    (dict(ref_model=torch.nn.Linear(1, 1), adapters=("default", "ref")), "pass adapters or ref_model, not both"),
+    (dict(resume_from=3), "resume_from must be a checkpoint folder"),
+    (dict(every=True), "every must be a positive int"),
+])
+def test_callback_refuses_bad_arguments_at_construction(kw, match):
+    """The syncer's rule at construction: overlap="no" became True through bool() (the syncer refuses a non-bool),
+    adapters="ref" failed at on_train_begin with "too many values to unpack", a resume_from that is no path was
+    skipped silently at the resume."""
+    from humanline_kernels.integrations.transformers import HumanlineSyncCallback
+
+    with pytest.raises(ValueError, match=match):
+        HumanlineSyncCallback(**kw)
+    cb = HumanlineSyncCallback(adapters=["default", "ref"], overlap=False)  # (a list from a config file: a pair)
+    assert cb.adapters == ("default", "ref") and cb.overlap is False
+    with pytest.raises(ValueError, match="blocking must be a bool, got 'no'"):  # (was a blocking sync)
+        cb.reference_done(blocking="no")
+
+
 @pytest.mark.gpu
 def test_dpo_reference_lags_policy_cuda_overlap(tiny_path):
     """On CUDA the copy runs on a side stream during the policy's forward/backward; the lag must still hold."""

@@ -392,6 +392,9 @@ def test_refusals():
         hk.Packed(b["cu"], max_seqlen=-1)
     with pytest.raises(ValueError, match="position 0"):
         hk.Packed.from_position_ids(torch.tensor([1, 2, 0, 1]))
+    for bad in (torch.tensor([0.0, 1.0, 0.0]), torch.tensor([False, True, False])):  # (read as starts at 0 before)
+        with pytest.raises(ValueError, match="position_ids must hold integers, got dtype"):
+            hk.Packed.from_position_ids(bad)
     h, w = b["h"], b["w"]
     with pytest.raises(ValueError, match=r"one \[start, end\) range per row"):
         hk.fused_linear.dpo(h, w, b["y"], b["ref"], supervised=b["ranges"][:-1])

@@ -210,6 +210,22 @@ def test_ends_cleanly_mid_window_and_protocol_errors():
         assert la.step == 0 and la._loaded_refs is None and not la._exhausted
 
 
+@pytest.mark.parametrize("ret", [None, "list", "int"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_logps_fn_must_return_a_float_tensor(ret, accum):
+    """A logps_fn returning something else than a tensor of log-probs (None: a forgotten return) is refused naming
+    logps_fn, micro-batches too (an AttributeError on .detach() before); the train modes are restored all the same."""
+    out = {None: lambda: None, "list": lambda: [torch.zeros(2, T)],
+           "int": lambda: torch.zeros(2, T, dtype=torch.long)}[ret]
+    pol = _same_init()
+    la = hk.LookaheadReference(pol, make_data(2, accum, seed=3), lambda model, batch: out())
+    with pytest.raises(ValueError, match=r"logps_fn\(model, batch\) must return a floating-point tensor"):
+        next(la)
+    assert pol.training and pol.drop.training
+    with pytest.raises(ValueError, match="batches must be an iterable of per-step batches, got int"):
+        hk.LookaheadReference(pol, 3, logps_fn)
+
+
 def test_train_mode_of_every_submodule_is_restored():
     pol = _same_init()
     pol.mid.eval()  # a frozen-in-eval submodule stays in eval; the rest in train

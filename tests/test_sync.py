@@ -135,6 +135,8 @@ def test_bad_arguments_are_value_errors():
                       (dict(policy=pol, reference=None), "reference must be a torch.nn.Module"),
                       (dict(policy=pol, reference=pol), "different modules"),
                       (dict(policy=pol, reference=make(1), use_kernel="yes"), "use_kernel"),
+                      (dict(policy=pol, reference=make(1), use_kernel=1), "use_kernel must be None, True or False"),
+                      (dict(policy=pol, reference=make(1), use_kernel=0), "use_kernel must be None, True or False"),
                       (dict(policy=pol, reference=make(1), overlap="yes"), "overlap must be a bool")):
         with pytest.raises(ValueError, match=match):
             hk.ReferenceSyncer(**kw)

@@ -289,7 +289,6 @@ DPO_REFUSED = [
     (dict(loss_type=["ipo"], beta=0.0), "they divide by beta"),
     (dict(ld_alpha=1.5), "ld_alpha must be <= 1"),
     (dict(loss_type=["discopop"], discopop_tau=0.0), "discopop_tau must be > 0"),
-    (dict(rpo_alpha=-0.5), "rpo_alpha must be >= 0"),
     (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs"),
     (dict(sync_ref_model=True), "sync_ref_model"),
 ]
@@ -300,6 +299,18 @@ def test_dpo_refusals(tiny_path, cfg, match):
     with pytest.raises(ValueError, match=f"HumanlineDPOTrainer: .*{match}"):
         HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**COMMON, output_dir=tiny_path + "/r", **cfg),
                             train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer())
+
+
+@pytest.mark.parametrize("value, match", [(-0.5, "rpo_alpha must be >= 0"), ("x", "rpo_alpha must be a finite real")])
+def test_rpo_alpha_refused_by_the_config_and_the_trainer(tiny_path, value, match):
+    """rpo_alpha, a field of ours, is checked at construction with the others (it was only when the trainer was
+    built); one set afterwards is still the trainer's to refuse."""
+    with pytest.raises(ValueError, match=match):
+        HumanlineDPOConfig(**COMMON, output_dir=tiny_path + "/r", rpo_alpha=value)
+    cfg = HumanlineDPOConfig(**COMMON, output_dir=tiny_path + "/r")
+    cfg.rpo_alpha = value
+    with pytest.raises(ValueError, match=f"HumanlineDPOTrainer: .*{match}"):
+        HumanlineDPOTrainer(tiny_path, args=cfg, train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer())
 
 
 def test_dpo_refusals_of_trl_itself(tiny_path):

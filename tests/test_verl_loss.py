@@ -164,6 +164,9 @@ def test_refused_modes_are_named_with_the_reason(mode):
     ({"sync_every": 0}, "sync_every must be a positive int"),
     ({"reference": "lookahead"}, "reference must be one of"),
     ({"loss_mode": "vanilla"}, "loss_mode must be 'humanline'"),
+    ({"fused_logprobs": "no"}, "policy_loss.fused_logprobs must be a bool"),
+    ({"save_reference": 1}, "policy_loss.save_reference must be a bool"),
+    ({"log_eps_r": 1e300}, r"policy_loss: log_eps_r must be -inf, inf \(no bound on that side\)"),
 ])
 def test_bad_settings_raise(kw, match):
     with pytest.raises(ValueError, match=match):

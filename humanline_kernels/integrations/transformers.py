@@ -38,6 +38,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
+from ..sync._adapters import check_adapter_names
+from ..sync._syncer import check_options
+
 __all__ = ["HumanlineSyncCallback", "LookaheadTrainerMixin", "RUN_MARKER"]
 
 
@@ -71,14 +74,28 @@ class HumanlineSyncCallback(TrainerCallback):
 
     def __init__(self, every: int = 1, ref_model=None, overlap: bool = True, adapters=None, save_reference=True,
                  resume_from=None):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
+        # checked here, where the mistake is made, not at on_train_begin or the first sync
+        check_options(every=every, overlap=overlap)
         if not isinstance(save_reference, bool):
             raise ValueError(f"save_reference must be a bool, got {save_reference!r}")
+        if ref_model is not None and not isinstance(ref_model, torch.nn.Module):
+            raise ValueError(f"ref_model must be a torch.nn.Module or None, got {type(ref_model).__name__}")
+        if adapters is not None:
+            if not isinstance(adapters, (tuple, list)) or len(adapters) != 2:
+                raise ValueError(f"adapters must be a pair of adapter names (train, reference) or None, got "
+                                 f"{adapters!r}")
+            check_adapter_names(*adapters, what="adapters")
+            if ref_model is not None:
+                raise ValueError("adapters makes the reference a second adapter of the policy, with no reference "
+                                 "model: pass adapters or ref_model, not both")
+            adapters = tuple(adapters)
+        if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+            raise ValueError(f"resume_from must be a checkpoint folder (str or os.PathLike) or None, got "
+                             f"{type(resume_from).__name__}")
         self.every = every
         self.ref_model = ref_model
         self.adapters = adapters  # (train, reference) adapter names of a PEFT policy: no reference model
-        self.overlap = bool(overlap)
+        self.overlap = overlap
         self.save_reference = save_reference
         self.resume_from = resume_from
         self.syncer = None
@@ -187,6 +204,8 @@ class HumanlineSyncCallback(TrainerCallback):
         Launches the copy on sync steps (overlapped on CUDA). ``blocking=True`` completes the copy and the step's
         sync at once (for DeepSpeed, where the update happens inside the backward).
         """
+        if not isinstance(blocking, bool):
+            raise ValueError(f"blocking must be a bool, got {blocking!r}")
         if self.syncer is None or self._waited:
             return
         if blocking:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._backends import Pairs, _local, _unwrap, reshard_fsdp2
-from ._syncer import ReferenceSyncer
+from ._syncer import ReferenceSyncer, check_options
 
 SUPPORTED = ("LORA", "IA3")
 
@@ -54,18 +54,26 @@ def _pairs(model: nn.Module, train: str, reference: str):
     return out
 
 
+def check_adapter_names(train, reference, what="train and reference"):
+    """Two adapter names: non-empty strings, different (``what``: how the caller calls the pair, for the message)."""
+    for name, v in (("train", train), ("reference", reference)):
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"{what}: the {name} adapter's name must be a non-empty str, got {v!r}")
+    if train == reference:
+        raise ValueError(f"{what}: train and reference must be different adapters, got {train!r} twice")
+
+
 def ensure_reference_adapter(peft_model: nn.Module, train: str = "default", reference: str = "reference"):
     """Create adapter ``reference`` of ``peft_model`` as a copy of ``train`` when it is missing (adopt it when it
     exists with the same configuration), and freeze it. Returns the unwrapped PEFT model. Call it before wrapping
     the model with DDP / FSDP, so that the reference adapter is wrapped like the trained one."""
+    check_adapter_names(train, reference)
     peft_model = _unwrap(peft_model)  # DDP / torch.compile wrappers; FSDP2 shards in place (DTensors)
     configs = getattr(peft_model, "peft_config", None)
     if not isinstance(configs, dict) or not hasattr(peft_model, "add_adapter"):
         raise ValueError(f"for_adapters needs a PEFT model (peft.PeftModel), got {type(peft_model).__name__}")
     if train not in configs:
         raise ValueError(f"adapter {train!r} not found; the model has {sorted(configs)}")
-    if train == reference:
-        raise ValueError("train and reference must be different adapters")
     kind = _peft_type(configs[train])
     if kind not in SUPPORTED:
         raise ValueError(f"adapter {train!r} is of type {kind}; humanline adapter syncing supports "
@@ -96,6 +104,7 @@ class AdapterSyncer(ReferenceSyncer):
 
     def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
                  overlap: bool = True, use_kernel: bool | None = None):
+        check_options(every=every, overlap=overlap, use_kernel=use_kernel)  # before the adapter is added
         peft_model = ensure_reference_adapter(peft_model, train, reference)
         # the syncer's policy/reference are the same module: the pairs come from the adapter names instead
         super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel)
@@ -135,6 +144,8 @@ def reference_adapter(peft_model: nn.Module, name: str = "reference", eval_mode:
     reference model is kept: no dropout). The previously active adapter, every submodule's train/eval mode and
     every parameter's ``requires_grad`` are restored afterwards, also when the forward raises (PEFT's
     ``set_adapter`` changes which adapter is trainable)."""
+    if not isinstance(eval_mode, bool):
+        raise ValueError(f"eval_mode must be a bool, got {eval_mode!r}")
     peft_model = _unwrap(peft_model)
     if name not in getattr(peft_model, "peft_config", {}):
         raise ValueError(f"adapter {name!r} not found; create it with hk.ReferenceSyncer.for_adapters(...)")

@@ -44,7 +44,8 @@ class LookaheadReference:
         policy: the trained model (plain, DDP or FSDP-wrapped): it is put in eval mode for the window forwards and
             each submodule's train/eval mode is restored afterwards.
         batches: iterable of per-step batches (a micro-batch, or a list of them under gradient accumulation).
-        logps_fn: ``logps_fn(model, micro_batch) -> Tensor`` of per-token log-probs; called under ``no_grad``.
+        logps_fn: ``logps_fn(model, micro_batch) -> Tensor`` of per-token log-probs (floating point); called under
+            ``no_grad``.
         every: humanline sync interval ``k`` (the reference is refreshed every ``k`` optimizer steps).
     """
 
@@ -55,8 +56,11 @@ class LookaheadReference:
             raise ValueError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
         if not callable(logps_fn):
             raise ValueError(f"logps_fn must be callable as logps_fn(model, batch), got {type(logps_fn).__name__}")
+        try:
+            self._batches = iter(batches)
+        except TypeError:
+            raise ValueError(f"batches must be an iterable of per-step batches, got {type(batches).__name__}") from None
         self.policy, self.logps_fn, self.every = policy, logps_fn, every
-        self._batches = iter(batches)
         self._step = 0                       # optimizer steps completed (wait() calls)
         self._window = collections.deque()   # (batch, ref_logps) of the steps to come, oldest first
         self._yielded = False                # the current step's batch was handed out and wait() not yet called
@@ -114,12 +118,20 @@ class LookaheadReference:
         self.policy.eval()
         try:
             if isinstance(batch, list):  # micro-batches (a tuple is one batch, e.g. (input_ids, mask, labels))
-                return [self.logps_fn(self.policy, mb).detach() for mb in batch]
-            return self.logps_fn(self.policy, batch).detach()
+                return [self._logps(mb) for mb in batch]
+            return self._logps(batch)
         finally:
             for m, training in modes:
                 m.training = training
             reshard_fsdp2(self.policy)  # the window forward had no backward: see reshard_fsdp2
+
+    def _logps(self, batch):
+        out = self.logps_fn(self.policy, batch)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            got = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"logps_fn(model, batch) must return a floating-point tensor of the batch's per-token "
+                             f"log-probs, got {got}")
+        return out.detach()
 
     def _fill(self, n):
         for batch in self._next_batches(n):

@@ -33,6 +33,20 @@ from ._copy import CopyPlan
 from ._pace import _Pace
 
 
+def check_options(*, every=1, overlap=True, use_kernel=None, slices=1):
+    """The schedule's options, checked before anything is built or written: by the syncer, its adapter form (before
+    it adds the reference adapter) and ``HumanlineSyncCallback`` (at construction). A flag is a bool, not something
+    ``bool()`` would turn into one (``overlap="no"`` is true)."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every must be a positive int, got {every!r}")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be a bool, got {overlap!r}")
+    if use_kernel is not None and not isinstance(use_kernel, bool):  # (1 in (None, True, False) holds)
+        raise ValueError(f"use_kernel must be None, True or False, got {use_kernel!r}")
+    if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
+        raise ValueError(f"slices must be a positive int, got {slices!r}")
+
+
 class ReferenceSyncer:
     """Humanline sync of ``reference`` from ``policy`` (plain module, DDP, FSDP1, FSDP2, DeepSpeed ZeRO-1/2/3).
 
@@ -60,20 +74,13 @@ class ReferenceSyncer:
 
     def __init__(self, policy: nn.Module, reference: nn.Module, every: int = 1, overlap: bool = True,
                  use_kernel: bool | None = None, slices: int = 1):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
+        check_options(every=every, overlap=overlap, use_kernel=use_kernel, slices=slices)
         for name, m in (("policy", policy), ("reference", reference)):
             if not isinstance(m, nn.Module):
                 raise ValueError(f"{name} must be a torch.nn.Module (plain, DDP, FSDP or DeepSpeed-wrapped), got "
                                  f"{type(m).__name__}")
         if policy is reference:
             raise ValueError("policy and reference must be different modules")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be a bool, got {overlap!r}")
-        if use_kernel not in (None, True, False):
-            raise ValueError(f"use_kernel must be None, True or False, got {use_kernel!r}")
-        if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
-            raise ValueError(f"slices must be a positive int, got {slices!r}")
         self.policy, self.reference = policy, reference
         self.every = every
         self.overlap = overlap

@@ -7,6 +7,7 @@ from typing import Optional
 from trl import DPOConfig, GRPOConfig, KTOConfig
 
 from ..._clip import HumanlineClip
+from ..._validation import check_real
 from .._head import FUSED_MODES
 
 __all__ = ["HumanlineDPOConfig", "HumanlineKTOConfig", "HumanlineGRPOConfig", "hk_settings", "reference_mode"]
@@ -98,6 +99,11 @@ class HumanlineDPOConfig(_HumanlineFields, DPOConfig):
     rpo_alpha: Optional[float] = _hk_field(
         None, "RPO: add the chosen completions' mean NLL with this weight (TRL 1.16's loss_type=[..., 'sft'], "
         "loss_weights=[..., rpo_alpha]); None: no NLL term.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rpo_alpha is not None:  # (a field of ours: checked with the others, at construction)
+            check_real("rpo_alpha", self.rpo_alpha, low=0.0)
 
 
 @dataclass

@@ -102,8 +102,9 @@ class HumanlinePolicyLossConfig(PolicyLossConfig):
             raise ValueError(f"policy_loss.sync_every must be a positive int, got {k!r}")
         if self.reference not in REFERENCE_MODES:
             raise ValueError(f"policy_loss.reference must be one of {REFERENCE_MODES}, got {self.reference!r}")
-        if not isinstance(self.save_reference, bool):
-            raise ValueError(f"policy_loss.save_reference must be a bool, got {self.save_reference!r}")
+        for flag in ("fused_logprobs", "save_reference"):  # (a string from an override would pass as true)
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"policy_loss.{flag} must be a bool, got {getattr(self, flag)!r}")
 
     @property
     def clip(self) -> Optional[HumanlineClip]:
