@@ -432,7 +432,9 @@ def _gif_config(V, element_size, aligned, arch, card, dtype, bytes_per_thread, w
     tuned = tuning.lookup("gif", card, tuning.DTYPES.get(dtype), V)
     if tuned:  # (a table entry names the block in elements: no halving for sm_80, which compiles it as it is)
         return tuning.clamp(tuned, V)
-    per_thread = bytes_per_thread >> (arch < 90)
+    # halved for sm_80, and for sm_90 under triton 3.8, whose ptxas needs more than the 128 registers a thread has
+    # at 16 warps for 32 bytes (8-12 bytes spilled; 16 bytes fit)
+    per_thread = bytes_per_thread >> (arch < 90 or _TRITON == (3, 8))
     per_thread = per_thread // element_size if aligned else 8
     return max(min(triton.next_power_of_2(V), per_thread * 32 * warps), 8), warps
 
@@ -473,8 +475,9 @@ def _register_budget(x: Tensor, warps: int, grad: int = 0) -> dict:
     and instructions; KTO's loss tail, run by one program, set the whole kernel's registers. Told 72 these compile
     without spills from 16-bit logits (fp32 rows: half the programs); with the gradient sweep (``GRAD`` 1) triton
     3.6 spills, so it keeps one program's share. The persistent grid (``GRAD`` >= 2): its programs an SM, except
-    for sm_90 under triton < 3.9, which ptxas 12.8 fits in 128 registers by itself but spills 8-12 bytes when told
-    128 (the persistent grid alone at 32 or 64 registers without it for small shapes). The compile gate checks
+    for sm_90 under triton < 3.8, which ptxas 12.8 fits in 128 registers by itself but spills 8-12 bytes when told
+    128 (the persistent grid alone at 32 or 64 registers without it for small shapes); triton 3.8's ptxas, left to
+    itself, spills at 64 registers for T = 1. The compile gate checks
     every variant on both version pairs and both architectures."""
     persistent = grad >= 2
     if persistent and _OLD_TRITON and x.device.type in COMPILED_DEVICES and _arch(x.device) >= 90:
@@ -488,7 +491,8 @@ def _register_budget(x: Tensor, warps: int, grad: int = 0) -> dict:
     return register_budget(x, warps, max(per_sm, 1))
 
 
-_OLD_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
+_OLD_TRITON = _TRITON < (3, 8)
 
 
 def dpo_loss(logits, labels, ref_logps, p, inp=None):
