@@ -36,6 +36,7 @@ def jit(fn=None, *, interpret_as=None, **kwargs):
     def build(f):
         kernel = JITFunction(f, **kwargs)
         kernel.interpret_as = interpret_as  # (read by interpreted())
+        kernel.hk_launch = _Launch(kernel)
         return kernel
     return build if fn is None else build(fn)
 
@@ -54,6 +55,7 @@ def interpreted(kernel: JITFunction):
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
     twin = InterpretedFunction(copy)
+    twin.hk_launch = _Launch(twin)
     _INTERPRETED[id(kernel)] = (kernel, twin)  # the kernel is kept so that its id is not reused
     for name, value in list(scope.items()):
         if isinstance(value, JITFunction):
@@ -67,15 +69,17 @@ FP_FUSION = True
 
 
 class _Launch:
-    """``kernel[grid](**kwargs)`` with ``enable_fp_fusion`` set explicitly (the interpreter ignores it)."""
+    """``kernel[grid](**kwargs)`` with ``enable_fp_fusion`` stated (the interpreter ignores it). One per kernel, made
+    with it: a launch costs the host no Python call more than Triton's own ``kernel[grid]``."""
     __slots__ = ("kernel",)
 
     def __init__(self, kernel):
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        run = self.kernel[grid]
-        return lambda *args, **kwargs: run(*args, enable_fp_fusion=FP_FUSION, **kwargs)
+        kernel = self.kernel  # (its run is looked up at the launch: the compile gate replaces JITFunction.run)
+        return lambda *args, **kwargs: kernel.run(*args, grid=grid, warmup=False, enable_fp_fusion=FP_FUSION,
+                                                  **kwargs)
 
 
 def launcher(kernel: JITFunction, t):
@@ -83,9 +87,9 @@ def launcher(kernel: JITFunction, t):
     explicit options (:data:`FP_FUSION`)."""
     if t.device.type in COMPILED_DEVICES:
         LAUNCHES[("compiled", kernel.fn.__name__)] += 1
-        return _Launch(kernel)
+        return kernel.hk_launch
     LAUNCHES[("interpreted", kernel.fn.__name__)] += 1
-    return _Launch(interpreted(kernel))
+    return interpreted(kernel).hk_launch
 
 
 def custom_op(name: str, mutates_args: tuple, bumps: tuple = ()):
