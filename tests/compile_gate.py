@@ -15,12 +15,15 @@ chunks). Each compiled variant is then checked in the ``ptxas -v`` log of Triton
 frame) and in its PTX (no local memory; 16-byte global loads in aligned variants, except the finalize kernels, which
 stream no row).
 
-Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
+Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...], "digests": {...}}``; each
+variant and each case's kernels carry a digest of their PTX (:func:`ptx_digest`), so two runs show whether a change
+left the compiled programs as they were.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import itertools
 import json
@@ -508,6 +511,25 @@ def _resources(kernel, arch):
     return (int(_REGS.search(text).group(1)), *(int(g) for g in _FRAME.search(text).groups()))
 
 
+_DEBUG_LABEL = re.compile(r"\$L__(?:tmp|func_begin|func_end)\d+:")
+
+
+def ptx_digest(ptx, name):
+    """SHA-256 of the PTX less what does not reach the GPU: the debug sections and line records (``.file``,
+    ``.loc``, their labels), comments, and the kernel's own name. Equal digests are the same program, wherever its
+    source lives and whatever its functions are called, so a refactor can show that it left the kernels as they
+    were."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    lines = []
+    for line in code.splitlines():
+        line = line.split("//", 1)[0].rstrip()
+        word = line.strip()
+        if not word or word.startswith((".loc", ".file")) or _DEBUG_LABEL.fullmatch(word):
+            continue
+        lines.append(line)
+    return hashlib.sha256(re.sub(rf"\b{re.escape(name)}\b", "KERNEL", "\n".join(lines)).encode()).hexdigest()[:16]
+
+
 def _vector_loads(ptx):
     """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``) in the PTX."""
     return len(re.findall(r"ld\.global[.:\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))  # (hints: L2::...)
@@ -565,6 +587,10 @@ def main(argv=None):
         out = _compile(name, lambda k=kernel, kw=kwargs, g=grid: k[g](**kw), compiled, failures)
         results += [(name, aligned, kname, k) for kname, k in out]
     variants, seen = [], set()
+    # every case's compiled kernels by PTX digest, repeats included (what a refactor compares, case by case)
+    digests = {}
+    for name, _aligned, kname, kernel in results:
+        digests.setdefault(name, []).append([kname, ptx_digest(kernel.asm["ptx"], kernel.name)])
     for name, aligned, kname, kernel in results:
         ptx = kernel.asm["ptx"]
         key = (kname, hash(ptx))
@@ -573,8 +599,9 @@ def main(argv=None):
         seen.add(key)
         regs, stack, spill_st, spill_ld = _resources(kernel, a.arch)
         # the finalize kernels (one program over small [B, T] tensors) stream no row: no 16-byte load rule
-        v = {"case": name, "kernel": kname, "registers": regs, "stack": stack, "spill_stores": spill_st,
-             "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx, "vector_loads": _vector_loads(ptx),
+        v = {"case": name, "kernel": kname, "ptx_digest": ptx_digest(ptx, kernel.name), "registers": regs,
+             "stack": stack, "spill_stores": spill_st, "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx,
+             "vector_loads": _vector_loads(ptx),
              "aligned": aligned and not kname.endswith("_finalize_kernel")}
         variants.append(v)
         problems = []
@@ -586,7 +613,7 @@ def main(argv=None):
         if problems:
             failures.append({"case": name, "kernel": kname, "error": "; ".join(problems), "resources": v})
     print(json.dumps({"arch": a.arch, "triton": triton.__version__, "variants": variants, "failures": failures,
-                      "derived": [d[0] for d in derived], "kernels": _all_kernels(),
+                      "derived": [d[0] for d in derived], "kernels": _all_kernels(), "digests": digests,
                       "compiled_kernels": sorted({v["kernel"] for v in variants})}))
     return 0
 
