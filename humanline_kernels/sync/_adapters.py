@@ -103,11 +103,13 @@ class AdapterSyncer(ReferenceSyncer):
     :meth:`ReferenceSyncer.for_adapters`, which calls :func:`ensure_reference_adapter` first."""
 
     def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
-                 overlap: bool = True, use_kernel: bool | None = None):
-        check_options(every=every, overlap=overlap, use_kernel=use_kernel)  # before the adapter is added
+                 overlap: bool = True, use_kernel: bool | None = None, copy_engine: bool = True):
+        # before the adapter is added
+        check_options(every=every, overlap=overlap, use_kernel=use_kernel, copy_engine=copy_engine)
         peft_model = ensure_reference_adapter(peft_model, train, reference)
         # the syncer's policy/reference are the same module: the pairs come from the adapter names instead
-        super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel)
+        super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel,
+                         copy_engine=copy_engine)
         self.train_adapter, self.reference_adapter = train, reference
 
     def _collect(self):

@@ -33,7 +33,7 @@ from ._copy import CopyPlan
 from ._pace import _Pace
 
 
-def check_options(*, every=1, overlap=True, use_kernel=None, slices=1):
+def check_options(*, every=1, overlap=True, use_kernel=None, slices=1, copy_engine=True):
     """The schedule's options, checked before anything is built or written: by the syncer, its adapter form (before
     it adds the reference adapter) and ``HumanlineSyncCallback`` (at construction). A flag is a bool, not something
     ``bool()`` would turn into one (``overlap="no"`` is true)."""
@@ -45,6 +45,8 @@ def check_options(*, every=1, overlap=True, use_kernel=None, slices=1):
         raise ValueError(f"use_kernel must be None, True or False, got {use_kernel!r}")
     if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
         raise ValueError(f"slices must be a positive int, got {slices!r}")
+    if not isinstance(copy_engine, bool):
+        raise ValueError(f"copy_engine must be a bool, got {copy_engine!r}")
 
 
 class ReferenceSyncer:
@@ -66,15 +68,18 @@ class ReferenceSyncer:
         every: sync every ``every`` optimizer steps (step t syncs when ``t % every == 0``).
         overlap: on CUDA, run the copy on a side stream ordered by events; otherwise on the current stream.
         use_kernel: ``None`` (auto: the csrc/ kernel when built or JIT-buildable, else ``torch._foreach_copy_``),
-            ``True`` (require it) or ``False`` (always ``_foreach_copy_``).
+            ``True`` (require it) or ``False`` (always ``_foreach_copy_``; the extension is never built).
+        copy_engine: on CUDA, same-device copies without a cast go to the copy engines (``True``, the default:
+            they take no SMs from the compute the copy overlaps); ``False`` copies them with the kernel (or
+            ``_foreach_copy_``) as the casting ones (docs/sync.md, "How the copy runs").
         slices: issue ``start()``'s copy in this many parts spread through the policy's forward and backward
             (hooks on its leaf modules; see the module docstring) instead of all at once. 1 (the default): at once.
             Eager models only: a compiled or graph-captured policy counts no point, so its copy goes at once.
     """
 
     def __init__(self, policy: nn.Module, reference: nn.Module, every: int = 1, overlap: bool = True,
-                 use_kernel: bool | None = None, slices: int = 1):
-        check_options(every=every, overlap=overlap, use_kernel=use_kernel, slices=slices)
+                 use_kernel: bool | None = None, slices: int = 1, copy_engine: bool = True):
+        check_options(every=every, overlap=overlap, use_kernel=use_kernel, slices=slices, copy_engine=copy_engine)
         for name, m in (("policy", policy), ("reference", reference)):
             if not isinstance(m, nn.Module):
                 raise ValueError(f"{name} must be a torch.nn.Module (plain, DDP, FSDP or DeepSpeed-wrapped), got "
@@ -85,6 +90,7 @@ class ReferenceSyncer:
         self.every = every
         self.overlap = overlap
         self.use_kernel = use_kernel
+        self.copy_engine = copy_engine
         self._step = 0
         self._started = False     # a copy was launched in the current step
         self._aborted = False     # a step failed after its copy was launched: see abort()
@@ -296,17 +302,17 @@ class ReferenceSyncer:
             got = self._pairs.resolve(late)
             if got is None:
                 raise RuntimeError("reference/policy parameter pairs changed while being collected")
-        return CopyPlan(*got, use_kernel=self.use_kernel)
+        return CopyPlan(*got, use_kernel=self.use_kernel, copy_engine=self.copy_engine)
 
     @classmethod
     def for_adapters(cls, peft_model: nn.Module, train: str = "default", reference: str = "reference",
-                     every: int = 1, overlap: bool = True, use_kernel: bool | None = None):
+                     every: int = 1, overlap: bool = True, use_kernel: bool | None = None, copy_engine: bool = True):
         """Humanline sync between two adapters of one PEFT model: the reference is a frozen copy of the trained
         adapter, so no second base model is held and a sync copies adapter weights only. See
         :mod:`humanline_kernels.sync._adapters`; run reference forwards under :func:`hk.reference_adapter`."""
         from ._adapters import AdapterSyncer
         return AdapterSyncer(peft_model, train=train, reference=reference, every=every, overlap=overlap,
-                             use_kernel=use_kernel)
+                             use_kernel=use_kernel, copy_engine=copy_engine)
 
     def __repr__(self) -> str:
         backend = self._pairs.backend if self._pairs is not None else "?"
