@@ -32,7 +32,6 @@ from . import _validation as V
 from . import losses, ops
 from ._clip import DEFAULT_CLIP
 from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
-from .ops import constants as C
 from .ops.constants import LOGP_PLANE, MODE_GRPO, named_metrics
 from .ops.logprobs import eager as logprobs_eager
 
@@ -55,12 +54,11 @@ def _kernels():
     return _KERNELS
 
 
-def _folded(tokens, labels):
-    """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/finalize/folded.py):
-    when it is selected (``ops.constants.FOLD_FINALIZE``, the default; ``HK_FOLD_FINALIZE=0`` turns it off), for a
-    dense batch with tokens (a packed batch's token map keeps the separate finalize: its rows do not tile its
-    sequences)."""
-    return C.FOLD_FINALIZE and tokens is None and labels.numel() > 0
+def _one_launch(tokens, labels):
+    """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/finalize/folded.py): for
+    a dense batch with tokens. A packed batch's token map keeps the row kernel and a finalize launch after it (its
+    rows do not tile its sequences), as do the fused-linear chunks."""
+    return tokens is None and labels.numel() > 0
 
 
 def _as_3d(logits, labels):
@@ -166,7 +164,7 @@ class _FusedLoss(torch.autograd.Function):
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
         _, TT, FIN, FOLD = _kernels()
         inp = p.Inputs(*inputs)
-        if _folded(tokens, labels):
+        if _one_launch(tokens, labels):
             _val, coef, lse, aux, loss, met, w = FOLD.FUSED[p.name](logits, labels, ref, p, inp)
         else:
             val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp, segs=tokens)
@@ -198,21 +196,20 @@ class _FusedLoss(torch.autograd.Function):
 
 class _GrpoGradInForward(torch.autograd.Function):
     """GRPO loss whose logits gradient is written during the forward; backward only scales it by grad_output.
-    The row weights come first, from the labels (the finalize kernel without terms), except on the persistent grid
-    for the loss types whose rows share one weight (found in the kernel); the loss and metrics after (folded into
-    the row kernel, or a finalize launch on the previous path)."""
+    The row weights come first, from the labels (the finalize kernel without terms), except in one launch for the
+    loss types whose rows share one weight (found in the kernel); the loss and metrics after (folded into the row
+    kernel, or a finalize launch for a packed batch)."""
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
         _, TT, FIN, FOLD = _kernels()
         inp = p.Inputs(*inputs)
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        folded = _folded(tokens, labels)
-        persistent = folded and C.GIF_PERSISTENT
-        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not persistent else None
+        folded = _one_launch(tokens, labels)
+        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not folded else None
         if folded:
             _val, _coef, _lse, aux, loss, met, w = FOLD.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
-                                                                  grad_out=grad, persistent=persistent)
+                                                                  grad_out=grad)
         else:
             val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
                                                    segs=tokens)

@@ -55,9 +55,9 @@ SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte align
     "one row": ((1, 8, 32000), None, True),  # the finalize kernels' 1 x 4 block_t tiles (see below)
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# GRPO's gradient in the forward in the folded kernel (its GRAD modes 0-3, the gradient new or over the logits)
-GIF_VARIANTS = ("none", "rows new", "rows inplace", "persistent rows new", "persistent shared new",
-                "persistent shared inplace")
+# GRPO's gradient in the forward in the folded kernel (its GRAD modes: none, on the persistent grid with each row's
+# weight or the shared one; the gradient new or over the logits)
+GIF_VARIANTS = ("none", "persistent rows new", "persistent shared new", "persistent shared inplace")
 
 
 # the compiler options a launch of ours states instead of leaving them to Triton's defaults
@@ -251,8 +251,8 @@ def _cases():
 
     def fold(shape_name, dtype, kind, variant, use_clip=True, kl_ref=False):
         # a fused loss's forward in one launch, the finalize folded into the row kernel (ops/finalize/folded.py);
-        # GRPO's gradient in the forward on the grid of a program a row ("rows") or the persistent one, with each
-        # row's weight or the shared one ("shared"), into a new buffer or over the logits ("inplace")
+        # GRPO's gradient in the forward on the persistent grid, with each row's weight ("rows") or the shared one
+        # ("shared"), into a new buffer or over the logits ("inplace")
         from humanline_kernels.ops.finalize import folded as FOLD
         x, y, f, adv, _ = tensors(shape_name, dtype)
         c = clip if use_clip else None
@@ -265,7 +265,7 @@ def _cases():
             grad = None if variant == "none" else x if variant.endswith("inplace") else torch.empty_like(x)
             p = P.GRPO(clip=c, beta=0.04, temperature=0.7)
             FOLD.grpo_loss(x, y, f, p, P.GRPOInputs(adv, f if kl_ref else None), grad_out=grad,
-                           row_weight=None if "shared" in variant else adv, persistent=variant.startswith("persistent"))
+                           row_weight=None if "shared" in variant else adv)
 
     def scale(shape_name, dtype):
         x, *_ = tensors(shape_name, dtype)
@@ -329,7 +329,7 @@ def _cases():
             # and the fold's variants are the gate's most expensive compiles)
             cases += [(f"fold {kind} {variant} {dn} {sn}", aligned, lambda dt=dt, s=sn, k=kind, v=variant:
                        fold(s, dt, k, v)) for kind, variant in (("dpo", ""), ("kto", "kl_rows"), ("grpo", "none"),
-                                                                ("grpo", "rows new"), ("grpo", "persistent shared new"),
+                                                                ("grpo", "persistent shared new"),
                                                                 ("grpo", "persistent rows inplace"))
                       if dn != "fp16"]
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
@@ -372,10 +372,10 @@ def _cases():
             "terms": (lambda: terms("aligned", dt, 1, True, False, None),
                       lambda: terms("aligned", dt, P.MODE_GRPO, True, True, "new"),
                       lambda: fold("aligned", dt, "dpo", ""), lambda: fold("aligned", dt, "kto", "kl_rows"),
-                      lambda: fold("aligned", dt, "grpo", "none"), lambda: fold("aligned", dt, "grpo", "rows new")),
+                      lambda: fold("aligned", dt, "grpo", "none")),
             "bwd": (lambda: bwd("aligned", dt, False), lambda: bwd("aligned", dt, True, True),
                     lambda: loss_bwd("aligned", dt, False), lambda: scale("aligned", dt)),
-            "gif": tuple(lambda v=v: fold("aligned", dt, "grpo", v, True, True) for v in GIF_VARIANTS[3:]),
+            "gif": tuple(lambda v=v: fold("aligned", dt, "grpo", v, True, True) for v in GIF_VARIANTS[1:]),
         }[family]
     for family, dn, block, warps in tuning.entries():
         for i in range(len(tuned_calls(family, None))):

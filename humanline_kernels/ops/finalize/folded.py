@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import constants as C
 from .. import tuning
 from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
 from ..constants import GRPO_AGGREGATION
@@ -205,10 +204,9 @@ def _grpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, 
                       BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr,
                       GRAD: tl.constexpr):
     """GRPO: the row terms (MODE 2), the fold, and :func:`.kernel._grpo_tail` in the last program (after its rows:
-    nothing of the tail is live in the row loop). ``GRAD`` (the gradient in the forward): 0 none; 1 one program a
-    row, each row scaled by ``w[b]`` (``wg_ptr``); 2 the persistent grid (rows ``pid, pid + P, ...``), ``w[b]`` as
-    1; 3 the persistent grid with the weight every row shares, found by each program first
-    (:func:`_shared_weight`)."""
+    nothing of the tail is live in the row loop). ``GRAD`` (the gradient in the forward): 0 none; 2 the persistent
+    grid (rows ``pid, pid + P, ...``), each row scaled by ``w[b]`` (``wg_ptr``); 3 the persistent grid with the
+    weight every row shares, found by each program first (:func:`_shared_weight`)."""
     wg = 1.0  # the shared row weight (ROW_WEIGHTS: read per row, w[b], from wg_ptr)
     if GRAD == 3:
         wg = _shared_weight(y_ptr, y_sb, y_st, norm_ptr, B, T, ignore_index, loss_type, norm_kind, norm_value,
@@ -233,6 +231,17 @@ def _grpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, 
 
 
 # ------------------------------------------------------------------ workspace and launch shapes
+# A folded row kernel without a gradient sweep is told the registers that leave room for this many warps an SM (7
+# programs of 4 warps: 72 registers): its loss tail, run by one program, would otherwise set the whole kernel's
+# register count and with it the programs an SM that keep the logits streaming.
+ROW_WARPS_PER_SM = 28
+# GRPO's gradient in the forward runs on a persistent grid of GIF_PROGRAMS_PER_SM programs an SM of GIF_WARPS warps
+# (one program fills an SM's threads), each thread GIF_BYTES_PER_THREAD bytes of a row a trip: the rows in flight
+# stay in L2 for the gradient's second sweep, and the 128 registers a thread has at 512 threads an SM hold it.
+GIF_PROGRAMS_PER_SM = 1
+GIF_WARPS = 16
+GIF_BYTES_PER_THREAD = 32
+
 _COUNTERS: dict = {}  # (device, stream) -> int32 counters, zero between launches
 
 
@@ -358,20 +367,18 @@ def _grpo_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[Te
                  wg: Optional[Tensor], grad: Optional[Tensor], grad_inplace: bool, norm: Optional[Tensor], val: Tensor,
                  coef: Tensor, lse: Tensor, aux: Tensor, loss: Tensor, met: Tensor, w: Tensor, clip_on: bool,
                  clip_lo: float, clip_hi: float, rho_lo: float, rho_hi: float, beta: float, inv_t: float,
-                 ignore_index: int, aggregation: int, norm_value: float, length: int, persistent: bool) -> None:
+                 ignore_index: int, aggregation: int, norm_value: float, length: int) -> None:
     B, T = labels.shape
     rows, x_sb, x_st = logits_rows(logits, T)
     g = logits if grad_inplace or grad is None else grad
     _, g_sb, g_st = logits_rows(g, T)
     gif = grad_inplace or grad is not None
-    persistent = persistent and gif
-    mode = (3 if wg is None else 2) if persistent else int(gif)
+    mode = (3 if wg is None else 2) if gif else 0  # the gradient in the forward: on the persistent grid
     block, warps = grpo_config(logits, mode)
     tile, bb, bt = fold_config(logits, B, warps)
     n_tiles, part, ctr = _workspace(logits, B, T, tile, 6)
     length = length or T
-    programs = C.GIF_PROGRAMS if C.GIF_PROGRAMS > 0 else _sm_count(logits.device) * C.GIF_PROGRAMS_PER_SM
-    grid = (min(rows, programs),) if persistent else (rows,)
+    grid = (min(rows, _sm_count(logits.device) * GIF_PROGRAMS_PER_SM),) if gif else (rows,)
     _launch(_grpo_loss_kernel, logits, grid,
             # data (unused pointers get ref: no variant of their own)
             x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if klref is None else klref, adv_ptr=adv,
@@ -399,15 +406,10 @@ _grpo_inplace = custom_op("grpo_loss_inplace", mutates_args=("logits", "val", "c
 
 def grpo_config(x: Tensor, grad_mode: int) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` of the folded GRPO kernel for its ``GRAD`` mode: the persistent grid's
-    (:func:`gif_config`), else the forward sweep's (:func:`..logprobs.kernel.sweep_config`), halved for fp32 rows
-    with the gradient in the forward (16 elements a thread: at 32, triton 3.6's ptxas spilled 4-8 bytes for sm_80
-    at the 248-register budget, two sweeps and the tail in one program)."""
+    (:func:`gif_config`), else the forward sweep's (:func:`..logprobs.kernel.sweep_config`)."""
     if grad_mode >= 2:
         return gif_config(x)
-    block, warps = sweep_config(x, family="terms")
-    if grad_mode == 1 and x.element_size() == 4 and x.device.type in COMPILED_DEVICES:
-        block = max(block // 2, 8)
-    return block, warps
+    return sweep_config(x, family="terms")
 
 
 def gif_config(x: Tensor) -> tuple[int, int]:
@@ -422,7 +424,7 @@ def gif_config(x: Tensor) -> tuple[int, int]:
         aligned = rows_aligned(x)
         card = tuning.device_name(x.device) if aligned and x.is_cuda else None
         return _gif_config(x.shape[-1], x.element_size(), aligned, _arch(x.device), card, x.dtype,
-                           C.GIF_BYTES_PER_THREAD, C.GIF_WARPS)
+                           GIF_BYTES_PER_THREAD, GIF_WARPS)
     tuned = tuning.lookup("gif", None, None, x.shape[-1])  # (a forced candidate: bench tune's CPU check)
     return tuning.clamp(tuned, x.shape[-1]) if tuned else sweep_config(x, family="terms")
 
@@ -483,11 +485,9 @@ def _register_budget(x: Tensor, warps: int, grad: int = 0) -> dict:
     if persistent and _OLD_TRITON and x.device.type in COMPILED_DEVICES and _arch(x.device) >= 90:
         return {}
     if persistent:
-        per_sm = C.GIF_PROGRAMS_PER_SM
-    elif grad:
-        per_sm = 1
+        per_sm = GIF_PROGRAMS_PER_SM
     else:  # fp32 rows hold twice the registers an element: half the programs (at 72, KTO's spilled for sm_80)
-        per_sm = C.FOLD_ROW_WARPS_PER_SM // warps // (1 if x.element_size() <= 2 else 2)
+        per_sm = ROW_WARPS_PER_SM // warps // (1 if x.element_size() <= 2 else 2)
     return register_budget(x, warps, max(per_sm, 1))
 
 
@@ -523,11 +523,11 @@ def kto_loss(logits, labels, ref_logps, p, inp):
     return val, coef, lse, aux, loss, met, w
 
 
-def grpo_loss(logits, labels, ref_logps, p, inp, row_weight=None, grad_out=None, persistent=False):
+def grpo_loss(logits, labels, ref_logps, p, inp, row_weight=None, grad_out=None):
     """``(val, coef, lse, aux, loss, metrics, w)`` of GRPO in one launch. With ``grad_out`` (a buffer shaped like
-    ``logits``, or ``logits`` itself: in place) the gradient for ``grad_output = 1`` too, scaled per row by
-    ``row_weight`` (the weights-only finalize's ``w``; needed by ``loss_type="grpo"``) or, without it, by the weight
-    all rows share, found in the kernel; ``persistent``: the L2-resident grid (gradient only)."""
+    ``logits``, or ``logits`` itself: in place) the gradient for ``grad_output = 1`` too, on the persistent grid,
+    scaled per row by ``row_weight`` (the weights-only finalize's ``w``; needed by ``loss_type="grpo"``) or, without
+    it, by the weight all rows share, found in the kernel."""
     B, T = labels.shape
     val, coef, lse, aux = _planes(B, T, 5, logits)
     loss, met, w = _outputs(logits, B, "grpo")
@@ -537,7 +537,7 @@ def grpo_loss(logits, labels, ref_logps, p, inp, row_weight=None, grad_out=None,
         logits, labels, _f32(ref_logps), _f32(inp.kl_ref_logps), inp.advantages.to(torch.float32), _f32(row_weight),
         None if inplace else grad_out, inplace, norm, val, coef, lse, aux, loss, met, w, *p.terms[1:],
         GRPO_AGGREGATION[p.loss_type], 0.0 if p.normalizer is None else float(p.normalizer),
-        p.max_completion_length or 0, bool(persistent))
+        p.max_completion_length or 0)
     return val, coef, lse, aux, loss, met, w
 
 
