@@ -82,7 +82,7 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, labels, lse, ent)
         ctx.cfg = (p, inplace, LP)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
-        if labels.dim() == 2:  # already shaped like the labels (a view costs a microsecond a call)
+        if labels.dim() == 2:  # already shaped like the labels (a view is host work on every call)
             return logp, ent
         return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 

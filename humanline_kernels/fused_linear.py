@@ -83,8 +83,8 @@ def _need(hidden, weight, bias):
 
 def _scaled(acc, go, dtype, LP):
     """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary), a new tensor; on the kernel path
-    (``LP``, the call's log-prob kernel module) one vectorised Triton pass (``torch.mul`` runs this at 30 % of the
-    bandwidth on CUDA: ``ops.logprobs.kernel.scaled``)."""
+    (``LP``, the call's log-prob kernel module) one vectorised Triton pass (``torch.mul`` takes a non-vectorised
+    path for it on CUDA: ``ops.logprobs.kernel.scaled``)."""
     if acc is None:
         return None
     if LP is not None:
@@ -188,7 +188,7 @@ class _LinearLogprobs(torch.autograd.Function):
             LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=LC.kernel_segs(segs),
                             grad_entropy=gh, entropy=ent)
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
-        buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (run 3's +0.5 GiB; no z: T = 0)
+        buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (else they add to the peak)
         dh = None if dh is None else dh.view(hidden.shape)
         db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
         return None, None, None, None, None, dh, dw, db, None
@@ -438,7 +438,7 @@ class _LinearLoss(torch.autograd.Function):
             raise RuntimeError("Trying to backward through the fused-linear loss a second time: its dh and dW were "
                                "handed to the first backward. Pass retain_graph=True to the first one.")
         dh, dw, db = ctx.grads
-        # (dh times go by torch, as before issue 54: a 0-d go does not promote dh; 64 MiB at the bench's shape)
+        # (dh times go by torch: a 0-d go does not promote dh)
         if _graph_kept():  # a later backward reads them again: new tensors
             dh, dw = None if dh is None else dh * go, None if dw is None else dw.clone()
         else:  # handed over, scaled in place; with ctx's reference gone, autograd takes them as .grad without a copy

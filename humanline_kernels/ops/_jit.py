@@ -61,7 +61,7 @@ def interpreted(kernel: JITFunction):
     return twin
 
 
-# Fused multiply-adds on, stated at every launch: the kernels' measured error bounds assume them (the folded
+# Fused multiply-adds on, stated at every launch: the kernels' error bounds assume them (the folded
 # ``1/T * log2(e)`` scaling is one), and Triton's default for them is announced to change (to off in Triton 3.10).
 FP_FUSION = True
 
@@ -93,8 +93,8 @@ def custom_op(name: str, mutates_args: tuple, bumps: tuple = ()):
     preallocated tensor arguments ``mutates_args`` and returns nothing, so it needs no fake implementation).
 
     The returned callable runs the op while ``torch.compile`` traces (the op stays opaque in the graph) and ``fn``
-    itself otherwise: the dispatcher's own work (schema binding, autograd and Dynamo wrappers, redispatch) costs
-    tens of microseconds a call, more than everything else on the host. ``bumps``: positions of arguments that
+    itself otherwise: the dispatcher's own work (schema binding, autograd and Dynamo wrappers, redispatch) costs more
+    than everything else a call does on the host. ``bumps``: positions of arguments that
     belong to the caller (e.g. logits overwritten by their gradient), whose version counter the direct call bumps
     as the op would, so that a later use of the overwritten tensor fails loudly. ``.op`` is the registered op,
     ``.fn`` the launcher itself.
@@ -143,8 +143,8 @@ def _patch_interpreter():
       which NumPy >= 2.4 refuses for arrays of one dimension (``range(0, V, BLOCK)`` then fails). Its tensors get
       an ``__index__`` that takes the one element.
     * Triton patches ``triton.language`` again on every device-function call (``inspect.getmembers`` of five
-      namespaces, about 2 ms): half the time of an interpreted launch of ours went there. Within a launch a
-      namespace set is patched once; nothing restores it before the launch ends.
+      namespaces), half the time of an interpreted launch of ours. Within a launch a namespace set is patched
+      once; nothing restores it before the launch ends.
     """
     global _PATCHED
     if _PATCHED:

@@ -171,7 +171,7 @@ def alloc_grads(h2, weight, bias, chunks, need, sparse=False):
 def chunk_logits(buf, h2, wt, bias, segs, gbuf=None):
     """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, in one GEMM: on the rows in place
     when they are one range, else gathered into ``gbuf`` (a map's index rows; a DPO pair chunk's two ranges, so
-    that it adds to ``dW`` once, not once a range: run 4's profile)."""
+    that it adds to ``dW`` once, not once a range)."""
     V = wt.shape[1]
     z = buf[:size(segs) * V].view(-1, V)
     h = _rows_of(h2, segs, gbuf)

@@ -1,8 +1,8 @@
-r"""The finalize folded into the row kernel: a fused loss's forward in one launch (issue 53).
+r"""The finalize folded into the row kernel: a fused loss's forward in one launch (a dense batch's).
 
-The previous path launches the row kernel (:mod:`..token_terms.kernel`) and then one finalize program
-(:mod:`.kernel`) that walks ``[B, T]`` alone. Here the row kernel's programs do the finalize's work themselves,
-in two levels of fixed-order sums, so the result does not depend on which program finishes first:
+Unfolded, the row kernel (:mod:`..token_terms.kernel`) is followed by one finalize program (:mod:`.kernel`) that
+walks ``[B, T]`` alone (a packed batch, a fused-linear chunk). Here the row kernel's programs do the finalize's work
+themselves, in two levels of fixed-order sums, so the result does not depend on which program finishes first:
 
 1. Each token row ``q = (b, t)`` belongs to the tile ``(b, t // TILE)`` (tiles never cross a sequence). After
    writing its token's ``val``, ``coef``, ``lse`` and ``aux`` a program counts itself in on its tile's counter; the
@@ -18,22 +18,18 @@ store a program made is visible to the program that counts last, which reads the
 counters live in a buffer per (device, stream) that is zero before a launch and zero after it (each counter's
 last arrival resets it), so a call launches no fill and a CUDA graph can replay it. Two launches must not share
 a counter at the same time: launches on one stream are ordered, and each stream has its own buffer. The memory
-ordering can be checked only on a GPU (the interpreter runs programs one after another): run 5 (H100) did, and the
-fold is the default since (:data:`..constants.FOLD_FINALIZE`; ``HK_FOLD_FINALIZE=0`` selects the previous path).
+ordering can be checked only on a GPU (the interpreter runs programs one after another): tests/test_fold.py's GPU
+test.
 
 KTO's baseline ``z0`` (a walk over the KL rows) is computed by program 0 before its own row, off the critical
 path; the tile-0 and launch counters carry it to the last program.
 
-GRPO with the gradient in the forward (``GRAD`` > 0) takes the row weights from the weights-only finalize launch
-(needed by ``loss_type="grpo"``), or, on the persistent grid, computes the one weight every row shares (dapo /
-bnpo: ``1 / sum m`` or the normalizer; dr_grpo) in each program before its rows. The persistent grid
-(:data:`..constants.GIF_PERSISTENT`): :data:`..constants.GIF_PROGRAMS_PER_SM` programs an SM walk rows
-``pid, pid + P, ...``, so that the rows in flight (132 x 256.5 KB at V = 128256 in bf16 on an H100) fit in L2:
-the softmax sweep loads with ``evict_last``, the gradient sweep re-reads with ``evict_first`` and writes with
-streaming stores (``.cs``). Run 8's ncu (H100, V = 128256): 1.10x the two-pass bytes from DRAM (the re-read hits
-L1/L2), at 66 % of the DRAM bandwidth: one block in flight an SM is the limit. Either sweep pipelined through
-Triton's cp.async stages was slower (run 8: the re-read went back to HBM without L1 and the hints), so it was
-removed again.
+GRPO with the gradient in the forward (``GRAD`` > 0) runs on a persistent grid: :data:`GIF_PROGRAMS_PER_SM`
+programs an SM walk rows ``pid, pid + P, ...``, so that the rows in flight fit in L2 for the gradient's second
+sweep (the softmax sweep loads with ``evict_last``, the gradient sweep re-reads with ``evict_first`` and writes with
+streaming stores, ``.cs``). The row weights come from the weights-only finalize launch (needed by
+``loss_type="grpo"``), or each program computes the one weight every row shares (dapo / bnpo: ``1 / sum m`` or the
+normalizer; dr_grpo) before its rows.
 """
 from __future__ import annotations
 
@@ -264,7 +260,7 @@ def reset_counters():
 
 
 def _sm_count(device: torch.device) -> int:
-    """SMs of ``device``: a GPU's own; an H100's 132 for ``meta`` (the compile gate); 3 in the interpreter, so that
+    """SMs of ``device``: a GPU's own; 132 (sm_90's) for ``meta`` (the compile gate); 3 in the interpreter, so that
     each program of a small test walks several rows."""
     if device.type == "cuda":
         return _cuda_sm_count(device)
@@ -446,7 +442,7 @@ tuning.CLEARS.append(_gif_config.cache_clear)
 
 def _arch(device: torch.device) -> int:
     """The compute capability the launch compiles for (``major * 10 + minor``; off CUDA the active driver's target,
-    e.g. the compile gate's stand-in, or an H100's 90 where no driver is active: the host proxy's stubbed
+    e.g. the compile gate's stand-in, or 90 where no driver is active: the host proxy's stubbed
     launches and the live-bytes count compile nothing)."""
     if device.type == "cuda":
         return _cuda_arch(device)
@@ -454,7 +450,7 @@ def _arch(device: torch.device) -> int:
     active = driver._active  # set by the stand-ins; not `.active`, which would make the default driver (none on CPU)
     if active is None:
         return 90
-    if _DRIVER_ARCH[0] is not active:  # a real CUDA driver's target is ~18 Python calls (run 6's host count)
+    if _DRIVER_ARCH[0] is not active:  # a real CUDA driver's target is ~18 Python calls: asked once a driver
         _DRIVER_ARCH[:] = [active, active.get_current_target().arch]
     return _DRIVER_ARCH[1]
 
@@ -470,17 +466,13 @@ def _cuda_arch(device: torch.device) -> int:
 
 def _register_budget(x: Tensor, warps: int, grad: int = 0) -> dict:
     """``maxnreg`` for a folded kernel (:func:`..logprobs.kernel.register_budget`); ``grad``: GRPO's ``GRAD`` mode.
-    A program a row without a gradient sweep (DPO, KTO, GRPO's ``GRAD`` 0): the share of
-    :data:`..constants.FOLD_ROW_WARPS_PER_SM` warps an SM (7 programs of 4 warps: 72 registers). Run 8 (H200,
-    triton 3.6, V = 128256): KTO's kernel, built at 90 registers (5 programs an SM, occupancy 31 %), read the logits
-    at 82 % of the DRAM peak in 535 us, where DPO's, at 72 (7 programs, 44 %), took 498 us at 89 %: the same bytes
-    and instructions; KTO's loss tail, run by one program, set the whole kernel's registers. Told 72 these compile
-    without spills from 16-bit logits (fp32 rows: half the programs); with the gradient sweep (``GRAD`` 1) triton
-    3.6 spills, so it keeps one program's share. The persistent grid (``GRAD`` >= 2): its programs an SM, except
-    for sm_90 under triton < 3.8, which ptxas 12.8 fits in 128 registers by itself but spills 8-12 bytes when told
-    128 (the persistent grid alone at 32 or 64 registers without it for small shapes); triton 3.8's ptxas, left to
-    itself, spills at 64 registers for T = 1. The compile gate checks
-    every variant on both version pairs and both architectures."""
+    A program a row without a gradient sweep (DPO, KTO, GRPO's ``GRAD`` 0): the share of :data:`ROW_WARPS_PER_SM`
+    warps an SM (7 programs of 4 warps: 72 registers), so that a loss tail run by one program does not set the whole
+    kernel's registers and with them fewer programs an SM; told 72 these compile without spills from 16-bit logits
+    (fp32 rows: half the programs). The persistent grid (``GRAD`` >= 2): its programs an SM, except for sm_90 under
+    triton < 3.8, whose ptxas fits in 128 registers by itself but spills 8-12 bytes when told 128; triton 3.8's
+    ptxas, left to itself, spills at 64 registers for T = 1. The compile gate checks every variant on both version
+    pairs and both architectures."""
     persistent = grad >= 2
     if persistent and _OLD_TRITON and x.device.type in COMPILED_DEVICES and _arch(x.device) >= 90:
         return {}

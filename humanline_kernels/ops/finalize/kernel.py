@@ -16,7 +16,7 @@ take the loss's params object and inputs, allocate, and call it (:data:`FINALIZE
 
 The math is :mod:`humanline_kernels.reference`'s (tests compare each kernel, and its eager twin in :mod:`.eager`,
 against it). A single program keeps every reduction in a fixed order (deterministic, no
-atomics) and costs a few microseconds at ``B * T = 8192``; the launch it saves costs more. Sequence length and
+atomics). Sequence length and
 hyperparameters are runtime arguments (``B``/``T`` not even specialised), so one compiled variant serves all.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ def tiles(t: torch.Tensor, block_t: int = 128, *, rows: int) -> tuple[int, int, 
     """``(BLOCK_B, BLOCK_T, num_warps)`` for a program that walks ``rows`` rows: ``4 x block_t`` tiles on GPU, 512
     elements by default (2 a thread: 1024 made the GRPO kernel spill under triton 3.6, 2048 under 3.9; the compile
     gate checks); with 1 or 2 rows the same elements as ``1 x 4 block_t`` or ``2 x 2 block_t``, since the loop is
-    latency bound by its trip count (run 3 on the H100: GRPO's single program over one row of 8192 tokens in
-    ``4 x 64`` tiles, 3/4 of each empty, added ~0.29 ms to the loss at every V). In the interpreter ``2 x 4`` (one
+    latency bound by its trip count (``4 x 64`` tiles over one row would leave 3/4 of each empty). In the
+    interpreter ``2 x 4`` (one
     row: ``1 x 8``), so that the small test shapes cross tile boundaries in both dimensions."""
     bb = 1 if rows <= 1 else 2 if rows == 2 else 4
     if t.device.type in COMPILED_DEVICES:
@@ -107,7 +107,7 @@ def _frac(num, den):
 @jit(do_not_specialize=["P", "T", "J0", "J1"])
 def _dpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, J0, J1, ignore_index,
                          beta, label_smoothing, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
-    """:func:`_dpo_tail` as a launch of its own (one program): the previous path, and the fused-linear chunks'."""
+    """:func:`_dpo_tail` as a launch of its own (one program): a packed batch's, and the fused-linear chunks'."""
     _dpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, T, J0, J1, ignore_index, beta,
               label_smoothing, BLOCK_B, BLOCK_T, False)
 
@@ -163,7 +163,7 @@ def _dpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, loss_ptr, met_ptr, w_ptr, P, 
 def _kto_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, kl_ptr, klref_ptr, klm_ptr, z0_ptr,
                          loss_ptr, met_ptr, w_ptr, B, T, BK, TK, B0, B1, ignore_index, beta, lam_d, lam_u, clip_on,
                          clip_lo, clip_hi, z0_given, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
-    """KTO in one program (the previous path, and the fused-linear chunks'): the baseline ``z0`` of the KL rows
+    """KTO in one program (a packed batch's, and the fused-linear chunks'): the baseline ``z0`` of the KL rows
     (:func:`_kto_z0`; read from ``z0_ptr`` when ``z0_given``, e.g. all-reduced across ranks), then
     :func:`_kto_tail`."""
     z0 = _kto_z0(kl_ptr, klref_ptr, klm_ptr, BK, TK, clip_on, clip_lo, clip_hi, BLOCK_B, BLOCK_T)
@@ -246,7 +246,7 @@ def _kto_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, des_ptr, z0, loss_ptr, met_pt
 def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N,
                           ignore_index, loss_type, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr,
                           BLOCK_T: tl.constexpr, TERMS: tl.constexpr):
-    """:func:`_grpo_tail` as a launch of its own (one program): the previous path, the gradient-in-forward's
+    """:func:`_grpo_tail` as a launch of its own (one program): a packed batch's, the gradient-in-forward's
     weights (without ``TERMS``) and the fused-linear chunks'."""
     _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N, ignore_index,
                loss_type, norm_kind, norm_value, dr_scale, BLOCK_B, BLOCK_T, TERMS, False)

@@ -79,7 +79,7 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
 def _label_index(lab, valid, V):
     """``(index, inside)``: where a label is read. A label outside ``[0, V)`` (a ``validate=False`` call) is not:
     index 0, and its log-prob is NaN, as in the kernels (docs/design.md). On CUDA an out-of-range ``gather`` is a
-    device-side assert that ends the context (run 5's CUDA fuzz: fp64 logits, which take this path)."""
+    device-side assert that ends the context (fp64 CUDA logits take this path)."""
     inside = valid & (lab >= 0) & (lab < V)
     return torch.where(inside, lab, 0), inside
 

@@ -530,8 +530,8 @@ def scale_rows_(x, scale):
 def scaled(x, scale, dtype):
     """``x * scale`` (``x`` contiguous, any shape; ``scale`` 0-d) as a new tensor of ``dtype``, in one pass: the
     fused-linear ``dW`` (fp32 accumulator -> weight dtype) times ``grad_output``. ``torch.mul(x, scale, out=)``
-    with a 0-d CUDA ``scale`` and a dtype change takes TensorIterator's non-vectorised path: 2.21 ms for the
-    128256 x 4096 ``dW`` on the H200, 30 % of the bandwidth (run 4's profile, bench/NOTES.md)."""
+    with a 0-d CUDA ``scale`` and a dtype change takes TensorIterator's non-vectorised path, a fraction of the
+    bandwidth."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     shape = (1, 1, -1) if x.dim() == 1 else (1, -1, x.shape[-1])
     _scale_rows_out(x.view(shape), scale.reshape(1), out.view(shape))  # the kernel reads any float scale

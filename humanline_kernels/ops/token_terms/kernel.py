@@ -17,7 +17,7 @@ and two zero planes (the log-prob: what the other ``[B, T]`` inputs' gradients a
 With ``GRAD`` (GRPO) the same program also writes ``dz = w_b * coef * (onehot(y) - softmax(z)) / T`` into
 ``grad``, where ``w_b = d loss / d val`` is the aggregation weight of row ``b``: the row is read once for the
 softmax statistics and once more while the gradient is written (on chip only while the rows in flight fit: with a
-program a row, at V >= 32k on an H100, that read mostly goes to HBM; the persistent grid of
+program a row and a large vocabulary that read mostly goes to HBM; the persistent grid of
 :mod:`..finalize.folded` keeps it in L1/L2, see docs/kernels.md).
 
 The launcher is the ``torch.library`` op ``humanline::token_terms_out`` (``humanline::token_terms_inplace`` when the
