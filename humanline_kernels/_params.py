@@ -18,7 +18,26 @@ from typing import ClassVar, NamedTuple, Optional
 from torch import Tensor
 
 from ._clip import DEFAULT_CLIP, HumanlineClip
-from .ops.constants import MODE_GRPO, MODE_RATIO
+from .ops.constants import AGG_FIXED, AGG_ROWS, AGG_TOKENS, MODE_GRPO, MODE_RATIO
+
+# TRL 1.16's GRPO loss types, every one at the log-prob level (hk.reference, hk.losses)
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# the ones the kernels aggregate (the logits and hidden-state levels), and how: over tokens (dapo, bnpo), the mean of
+# the row means (grpo), over a fixed count (dr_grpo)
+GRPO_AGGREGATION = {"dapo": AGG_TOKENS, "bnpo": AGG_TOKENS, "grpo": AGG_ROWS, "dr_grpo": AGG_FIXED}
+
+# the metrics of each loss's finalize, in the order of the kernel's ``metrics`` tensor
+METRICS = {
+    "dpo": ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "unclipped_frac"),
+    "kto": ("kl", "rewards_desirable", "rewards_undesirable", "unclipped_frac"),
+    "grpo": ("unclipped_frac", "kl", "clip_frac_low", "clip_frac_high"),
+    "sequence": ("unclipped_frac", "n_tokens", "n_unclipped"),
+}
+
+
+def named_metrics(name, met):
+    """The API's metrics dict of a finalize kernel's ``metrics`` tensor (0-d views, in :data:`METRICS` order)."""
+    return dict(zip(METRICS[name], met.unbind(0)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +210,11 @@ class GRPO(Loss):
     name: ClassVar[str] = "grpo"
     mode: ClassVar[int] = MODE_GRPO
     Inputs: ClassVar[type] = GRPOInputs
+
+    @property
+    def aggregation(self) -> int:
+        """How the GRPO finalize kernel aggregates this ``loss_type`` (one the kernels compute)."""
+        return GRPO_AGGREGATION[self.loss_type]
 
     @property
     def vespo(self) -> dict:

@@ -5,7 +5,7 @@ used as is), ``labels [...]`` int64 with ``ignore_index`` marking tokens that do
 checks its arguments once, builds its loss's params object (:mod:`humanline_kernels._params`) and decides once
 (:func:`humanline_kernels.ops.use_kernels`): CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) go through
 the Triton kernels (see ``docs/kernels.md``); other CPU tensors, fp64 logits and fp64 reference log-probs through
-the eager path (chunked eager log-probs, :mod:`humanline_kernels.ops.logprobs.eager`, then
+the eager path (chunked eager log-probs, :mod:`humanline_kernels._eager`, then
 :func:`humanline_kernels.losses.compute`), which enters no custom op.
 
 Kernel path of the losses: one pass over the logits gives, per token, the log-prob, the humanline clamp, the
@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from . import _eager, losses, ops
 from . import _layout as L
 from . import _objectives as O
 from . import _validation as V
-from . import losses, ops
 from ._clip import DEFAULT_CLIP
-from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
-from .ops.constants import LOGP_PLANE, MODE_GRPO, named_metrics
-from .ops.logprobs import eager as logprobs_eager
+from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics
+from .ops.constants import LOGP_PLANE, MODE_GRPO
 
 __all__ = ["token_logprobs", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo", "slic"]
 
@@ -76,7 +75,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, return_entropy, inplace, kernels, logits, labels):
-        LP = _kernels()[0] if kernels else logprobs_eager
+        LP = _kernels()[0] if kernels else _eager
         l3, y3 = _as_3d(logits, labels)
         logp, lse, ent = LP.logprobs_fwd(l3, y3, p.temperature, p.ignore_index, return_entropy)
         ctx.save_for_backward(logits, labels, lse, ent)
@@ -102,7 +101,7 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_ent = grad_ent.reshape(y3.shape)
         d = LP.logprobs_bwd(l3, y3, lse, g, p.temperature, p.ignore_index, out=l3 if inplace else None,
                             grad_entropy=grad_ent, entropy=ent)
-        if inplace and LP is logprobs_eager:  # (the kernel's launcher bumps it itself)
+        if inplace and LP is _eager:  # (the kernel's launcher bumps it itself)
             torch.autograd.graph.increment_version(logits)
         # in place, ``d`` is ``l3``: a view of ``logits``, or a copy when ``[..., T, V]`` could not be flattened
         # without one (then the gradient lives in the copy, not in ``logits``); handed back as a view, never as the
@@ -309,7 +308,7 @@ def _eager_logps(p, logits, labels, ref_logps, lay=None):
     return logps, labels != p.ignore_index
 
 
-def _eager(p, logits, labels, ref_logps, inp, lay=None):
+def _eager_loss(p, logits, labels, ref_logps, inp, lay=None):
     """The eager path of a loss: eager differentiable log-probs, then the loss's math."""
     logps, mask = _eager_logps(p, logits, labels, ref_logps, lay)
     return losses.compute(p, logps, ref_logps, mask, inp)
@@ -323,7 +322,7 @@ def _logits_level(p, logits, labels, ref_logps, packed, validate, **flags):
     if packed is None:
         V.check_logits_loss(logits, labels, ref_logps, p, validate, **flags)
         return logits, labels, ref_logps, None
-    V.check_packed("logits", logits, labels, ref_logps, packed, p)
+    L.check_packed("logits", logits, labels, ref_logps, packed, p)
     V.check_logits(logits, labels, p, validate, **flags)
     x = logits.reshape(-1, logits.shape[-1])
     tm = L.packed_map(packed, x.shape[0], x.device, validate=validate)
@@ -366,7 +365,7 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
     inp = GRPOInputs(_per_token(advantages, lay, True), _per_token(kl_ref_logps, lay), norm)
     V.check_grpo(p, labels.shape, ref_logps, inp)
     if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
-        return _eager(p, logits, labels, ref_logps, inp, lay)
+        return _eager_loss(p, logits, labels, ref_logps, inp, lay)
     gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
     fn = _GrpoGradInForward if gif else _FusedLoss
     loss, met = fn.apply(p, inplace_backward, _tokens(lay), logits, labels, *_distinct(ref_logps, *inp))
@@ -392,7 +391,7 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
     mixture = V.check_dpo(p, labels.shape[0], ref_logps)
     V.check_fused_dpo(p, mixture[0])
     if not ops.use_kernels(logits, ref_logps):
-        return _eager(p, logits, labels, ref_logps, DPOInputs(), lay)
+        return _eager_loss(p, logits, labels, ref_logps, DPOInputs(), lay)
     if p.fast:
         loss, met = _FusedLoss.apply(p, inplace_backward, _tokens(lay), logits, labels, ref_logps)
         return loss, named_metrics("dpo", met)
@@ -418,7 +417,7 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
     V.check_kto(p, labels.shape[0], labels.device, inp)
     if not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
-        return _eager(p, logits, labels, ref_logps, inp, lay)
+        return _eager_loss(p, logits, labels, ref_logps, inp, lay)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
         rows = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
         return losses.from_rows(p, *rows, inp)
@@ -456,7 +455,7 @@ def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, igno
                                                    inplace_backward=inplace_backward)
     V.check_ipo(p, labels.shape[0])
     if not ops.use_kernels(logits, ref_logps):
-        return _eager(p, logits, labels, ref_logps, None, lay)
+        return _eager_loss(p, logits, labels, ref_logps, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay)))
 
 
@@ -469,7 +468,7 @@ def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, tempera
     logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
     V.check_simpo(p, labels.shape[0])
     if not ops.use_kernels(logits):
-        return _eager(p, logits, labels, None, None, lay)
+        return _eager_loss(p, logits, labels, None, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))
 
 
@@ -481,5 +480,5 @@ def slic(logits, labels, *, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.
     logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
     V.check_slic(p, labels.shape[0])
     if not ops.use_kernels(logits):
-        return _eager(p, logits, labels, None, None, lay)
+        return _eager_loss(p, logits, labels, None, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))

@@ -43,20 +43,31 @@ import math
 
 import torch
 
+from . import _eager, losses, ops
 from . import _layout as L
 from . import _objectives as O
 from . import _validation as V
-from . import losses, ops
 from ._clip import DEFAULT_CLIP
-from ._params import DPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
+from ._params import DPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics
 from .fused import _distinct, _input_grads, _owed
 from .ops import linear as LC
-from .ops.constants import AUX_PLANES, named_metrics
+from .ops.constants import AUX_PLANES
 
 __all__ = ["token_logprobs", "token_logprobs_nograd", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo",
            "slic", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 512 << 20  # logits buffer budget: 2048 tokens of a 128k vocabulary in bf16
+
+
+def _impl(kernels):
+    """``(logprobs, token_terms, finalize)``: the Triton kernel modules (they import Triton: only once a call has
+    decided for them) or their eager twins (:mod:`._eager`, one module for the three)."""
+    if not kernels:
+        return _eager, _eager, _eager
+    from .ops.finalize import kernel as fin
+    from .ops.logprobs import kernel as lp
+    from .ops.token_terms import kernel as tt
+    return lp, tt, fin
 
 
 def _autocast(hidden, weight, bias):
@@ -135,7 +146,7 @@ def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, valid
             return labels, ref_logps, None
         tm = L.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
     else:
-        V.check_packed("hidden", hidden, labels, ref_logps, packed, p)
+        L.check_packed("hidden", hidden, labels, ref_logps, packed, p)
         V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
         N, dev = labels.numel(), hidden.device
         tm = (L.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
@@ -153,7 +164,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, return_entropy, rows, kernels, tm, hidden, weight, bias, labels):
-        LP = LC.impl(kernels)[0]
+        LP = _impl(kernels)[0]
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)  # tokens as one row: q = r
         f = dict(dtype=_acc(hidden), device=hidden.device)
         alloc = torch.empty if tm is None else torch.zeros  # (a map of the supervised tokens skips the others)
@@ -213,7 +224,7 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
     if packed is not None:  # (the losses' order: the layout first, then the level's own checks)
-        V.check_packed("hidden", hidden, labels, None, packed)
+        L.check_packed("hidden", hidden, labels, None, packed)
     V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
     tm = None
     if supervised is not None:
@@ -247,7 +258,7 @@ class _LinearSequences(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, rows, kernels, tm, hidden, weight, bias, labels, ref, token_weights):
-        _, TT, FIN = LC.impl(kernels)
+        _, TT, FIN = _impl(kernels)
         B, T = labels.shape
         h2 = hidden.reshape(-1, hidden.shape[-1])
         f = dict(dtype=_acc(hidden), device=hidden.device)
@@ -276,7 +287,7 @@ class _LinearSequences(torch.autograd.Function):
             return (None,) * 10
         hidden, weight, bias, labels, lse, coef, *side = ctx.saved_tensors
         p, chunks, kernels, sparse, owed = ctx.cfg
-        LP = LC.impl(kernels)[0]
+        LP = _impl(kernels)[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.to(lse.dtype).contiguous()
@@ -382,7 +393,7 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, chunk_bytes, kernels, need, tm, hidden, weight, bias, labels, ref, *inputs):
-        LP, TT, FIN = LC.impl(kernels)
+        LP, TT, FIN = _impl(kernels)
         B, T = labels.shape
         max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
         chunks = LC.loss_chunks(p.name, B, T, max_rows) if tm is None else LC.map_chunks(p.name, tm, max_rows)

@@ -27,6 +27,7 @@ from . import _objectives as O
 from . import _validation as V
 from ._clip import DEFAULT_CLIP, clamp_band
 from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC
+from .ops.constants import MODE_GRPO
 
 __all__ = ["dpo", "kto", "grpo", "ipo", "simpo", "slic", "sequence_logratios", "compute", "clip_log_ratio",
            "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate",
@@ -273,7 +274,6 @@ def input_grads(p, logps, ref_logps, mask, inp, g, needs):
     kl_ref_logps)``, each where ``needs`` asks for it (else None). ``val`` is the loss's masked per-token term, the
     clamped log-ratio or GRPO's term, from the functions the eager path runs, at the policy log-probs ``logps`` that
     the row kernel wrote; ``g = d loss / d val`` (``[B, 1]`` or ``[B, T]``). Small ``[B, T]`` tensors only."""
-    from .ops.constants import MODE_GRPO
     with torch.enable_grad():
         ref = ref_logps.detach().requires_grad_(needs[0])
         val = clip_log_ratio(logps, ref, mask, p.clip)[0]
@@ -485,7 +485,7 @@ def unpacked(packed, logps, *per_token, per_sequence=(), names=("packed", "logps
     arguments ``packed`` and ``logps`` were given as, for the messages."""
     if packed is None:
         return (logps, *per_token)
-    V.check_packed(names[1], logps, logps, None, packed, packed_name=names[0])
+    L.check_packed(names[1], logps, logps, None, packed, packed_name=names[0])
     tm = L.packed_map(packed, logps.numel(), logps.device, name=names[0])
     return (L.unpack_like(logps, tm, logps),
             *(L.unpack_like(t, tm, logps, i in per_sequence) for i, t in enumerate(per_token)))

@@ -19,8 +19,6 @@ import os
 
 import torch
 
-from .constants import GRPO_LOSS_TYPES, METRICS, MODE_GRPO, MODE_RATIO, named_metrics  # noqa: F401
-
 _JIT = None  # the ops._jit module once triton imported, False when it cannot
 
 

@@ -1,4 +1,5 @@
-"""Constants shared by the kernels, their launchers, the checks and the integrations (defined here only)."""
+"""Constants shared by the kernels and their launchers (what they compute; the API's names are
+:mod:`humanline_kernels._params`')."""
 from __future__ import annotations
 
 # what the row kernel (ops.token_terms) computes per token: the clipped log-ratio (DPO, KTO, the sequence-level
@@ -10,22 +11,8 @@ MODE_RATIO, MODE_GRPO = 1, 2
 AUX_PLANES = {MODE_RATIO: 4, MODE_GRPO: 5}
 LOGP_PLANE = {MODE_RATIO: 1, MODE_GRPO: 4}
 
-# TRL 1.16's GRPO loss types, every one at the log-prob level (hk.reference, hk.losses)
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-# the ones the kernels aggregate (the logits and hidden-state levels), and how the GRPO finalize kernel does: over
-# tokens (dapo, bnpo), the mean of the row means (grpo), over a fixed count (dr_grpo)
+# how the GRPO finalize kernel aggregates: over tokens, the mean of the row means, over a fixed count
 AGG_TOKENS, AGG_ROWS, AGG_FIXED = 0, 1, 2
-GRPO_AGGREGATION = {"dapo": AGG_TOKENS, "bnpo": AGG_TOKENS, "grpo": AGG_ROWS, "dr_grpo": AGG_FIXED}
 
-# the metrics a finalize kernel writes, in the order of its ``metrics`` tensor
-METRICS = {
-    "dpo": ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "unclipped_frac"),
-    "kto": ("kl", "rewards_desirable", "rewards_undesirable", "unclipped_frac"),
-    "grpo": ("unclipped_frac", "kl", "clip_frac_low", "clip_frac_high"),
-    "sequence": ("unclipped_frac", "n_tokens", "n_unclipped"),
-}
-
-
-def named_metrics(name, met):
-    """The API's metrics dict of a finalize kernel's ``metrics`` tensor (0-d views, in :data:`METRICS` order)."""
-    return dict(zip(METRICS[name], met.unbind(0)))
+# the metrics each finalize kernel writes into its ``metrics`` tensor (their names, in that order: _params.METRICS)
+N_METRICS = {"dpo": 5, "kto": 4, "grpo": 4, "sequence": 3}

@@ -13,6 +13,7 @@ a device-to-host copy is then ordered on that CUDA device's streams like any oth
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 
@@ -31,9 +32,8 @@ def load_extension(build: bool = True):
     _ext_tried = True
     if not torch.cuda.is_available():
         return None
-    try:
-        from humanline_kernels import _sync_cuda  # built by setup.py
-        _ext = _sync_cuda
+    try:  # the compiled module setup.py builds beside the package's Python files, when it builds one
+        _ext = importlib.import_module("humanline_kernels._sync_cuda")
         return _ext
     except ImportError:
         pass

@@ -21,6 +21,7 @@ memory system changes.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -28,7 +29,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ._backends import collect_pairs
+from ._adapters import adapter_pairs, ensure_reference_adapter, local_data
+from ._backends import Pairs, collect_pairs
 from ._copy import CopyPlan
 from ._pace import _Pace
 
@@ -310,7 +312,6 @@ class ReferenceSyncer:
         """Humanline sync between two adapters of one PEFT model: the reference is a frozen copy of the trained
         adapter, so no second base model is held and a sync copies adapter weights only. See
         :mod:`humanline_kernels.sync._adapters`; run reference forwards under :func:`hk.reference_adapter`."""
-        from ._adapters import AdapterSyncer
         return AdapterSyncer(peft_model, train=train, reference=reference, every=every, overlap=overlap,
                              use_kernel=use_kernel, copy_engine=copy_engine)
 
@@ -318,3 +319,41 @@ class ReferenceSyncer:
         backend = self._pairs.backend if self._pairs is not None else "?"
         return (f"ReferenceSyncer(every={self.every}, overlap={self.overlap}, step={self._step}, "
                 f"backend={backend})")
+
+
+class AdapterSyncer(ReferenceSyncer):
+    """``ReferenceSyncer`` whose reference is the adapter ``reference`` of ``peft_model`` and whose policy is the
+    adapter ``train`` (same protocol: ``start()``, ``wait()``, ``sync()``, ``state_dict()``). Built by
+    :meth:`ReferenceSyncer.for_adapters`, which calls :func:`ensure_reference_adapter` first."""
+
+    def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
+                 overlap: bool = True, use_kernel: bool | None = None, copy_engine: bool = True):
+        # before the adapter is added
+        check_options(every=every, overlap=overlap, use_kernel=use_kernel, copy_engine=copy_engine)
+        peft_model = ensure_reference_adapter(peft_model, train, reference)
+        # the syncer's policy/reference are the same module: the pairs come from the adapter names instead
+        super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel,
+                         copy_engine=copy_engine)
+        self.train_adapter, self.reference_adapter = train, reference
+
+    def _collect(self):
+        model = self.policy
+        params = dict(model.named_parameters())
+        pairs = Pairs("peft-adapters")
+        for ref, src in adapter_pairs(model, self.train_adapter, self.reference_adapter):
+            pairs.add(ref, functools.partial(local_data, params[ref]), functools.partial(local_data, params[src]))
+            pairs.sharded |= hasattr(params[ref].data, "_local_tensor")  # FSDP2: the adapters are sharded too
+        return pairs
+
+    def __repr__(self) -> str:
+        return (f"AdapterSyncer(train={self.train_adapter!r}, reference={self.reference_adapter!r}, "
+                f"every={self.every}, overlap={self.overlap}, step={self._step})")
+
+
+class _Same(nn.Module):
+    """Placeholder reference (the base class refuses ``policy is reference``); holds no parameters."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.__dict__["target"] = model  # not a submodule
+

@@ -43,7 +43,6 @@ from torch import Tensor
 
 from .. import tuning
 from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
-from ..constants import GRPO_AGGREGATION
 from ..logprobs.kernel import _bt, device_guard, logits_rows, register_budget, rows_aligned, sweep_config
 from ..token_terms.kernel import _f32, _grad_row, _terms
 from .kernel import _dpo_tail, _grpo_tail, _kto_tail, _kto_z0, _outputs, _part, _valid
@@ -528,7 +527,7 @@ def grpo_loss(logits, labels, ref_logps, p, inp, row_weight=None, grad_out=None)
     (_grpo_inplace if inplace else _grpo_out)(
         logits, labels, _f32(ref_logps), _f32(inp.kl_ref_logps), inp.advantages.to(torch.float32), _f32(row_weight),
         None if inplace else grad_out, inplace, norm, val, coef, lse, aux, loss, met, w, *p.terms[1:],
-        GRPO_AGGREGATION[p.loss_type], 0.0 if p.normalizer is None else float(p.normalizer),
+        p.aggregation, 0.0 if p.normalizer is None else float(p.normalizer),
         p.max_completion_length or 0)
     return val, coef, lse, aux, loss, met, w
 

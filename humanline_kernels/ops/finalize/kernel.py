@@ -5,7 +5,7 @@ GRPO term for GRPO), ``coef = d val / d logp`` and ``aux [4, B, T]`` = (inside t
 k3; GRPO's fifth plane, its log-prob, is not read here). A finalize kernel is one program that walks ``[B, T]`` in
 ``[BLOCK_B, BLOCK_T]`` tiles (fp32 sums, int64 offsets; ``m = [label != ignore_index]``) and writes
 
-* ``loss`` (0-d), ``metrics [K]`` (the API's metric values, in the order of :data:`METRICS`), and
+* ``loss`` (0-d), ``metrics [K]`` (the API's metric values, in the order of ``_params.METRICS``), and
 * ``w [B]`` with ``d loss / d val[b, t] = w[b]`` for every masked token: the backward is then one launch,
   ``dlogits = grad_loss * w[b] * coef[b, t] * (onehot(y) - softmax(z / T)) / T`` (``logprobs._logprobs_bwd_kernel``
   with ``ROW_WEIGHT``).
@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._jit import COMPILED_DEVICES, custom_op, jit, launcher
-from ..constants import GRPO_AGGREGATION, METRICS
+from ..constants import N_METRICS
 from ..logprobs.kernel import device_guard
 from ..token_terms.kernel import _clamp
 
@@ -389,7 +389,7 @@ def _seq_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, tw_ptr, s_ptr, pol
 # ------------------------------------------------------------------ launchers (torch.library ops) and their callers
 def _outputs(like, B, name):
     f32 = dict(dtype=torch.float32, device=like.device)
-    return torch.empty((), **f32), torch.empty((len(METRICS[name]),), **f32), torch.empty((B,), **f32)
+    return torch.empty((), **f32), torch.empty((N_METRICS[name],), **f32), torch.empty((B,), **f32)
 
 
 @custom_op("dpo_finalize_out", mutates_args=("loss", "met", "w"))
@@ -496,7 +496,7 @@ def grpo_finalize(val, aux, labels, p, inp, span=None):
     norm = None if inp.normalizer is None else inp.normalizer.reshape(1).to(torch.float32)
     terms = val is not None
     _grpo_out(val.contiguous() if terms else None, aux.contiguous() if terms else None, labels, norm, loss, met, w,
-              GRPO_AGGREGATION[p.loss_type], 0.0 if p.normalizer is None else float(p.normalizer),
+              p.aggregation, 0.0 if p.normalizer is None else float(p.normalizer),
               p.max_completion_length or 0, p.ignore_index)
     return loss, met, w
 
@@ -529,7 +529,7 @@ def seq_finalize(val, aux, labels, p, token_weights=None):
     B = labels.shape[0]
     f32 = dict(dtype=torch.float32, device=val.device)
     s, pol, n = (torch.empty((B,), **f32) for _ in range(3))
-    met = torch.empty((len(METRICS["sequence"]),), **f32)
+    met = torch.empty((N_METRICS["sequence"],), **f32)
     tw = None if token_weights is None else token_weights.to(torch.float32).contiguous()
     _seq_out(val.contiguous(), aux.contiguous(), labels, tw, s, pol, n, met, p.ignore_index)
     return s, pol, n, met
