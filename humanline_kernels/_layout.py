@@ -17,7 +17,7 @@ A :class:`TokenMap` lists the positions to compute: ``plane[i]``, the position's
 per-token planes that the kernels and the finalize read (the padded layout), and ``source[i]``, its flat index in
 the caller's token stream (the rows of ``logits`` / ``hidden``). Small per-token tensors move between the layouts
 with :func:`unpack` (a scatter of ``N`` numbers); logits and hidden states never move: the row kernels read logits
-row ``r`` and address token ``plane[r]`` (``ops.logprobs.kernel._token``), the fused-linear driver gathers the
+row ``r`` and address token ``plane[r]`` (``ops.common.row_token``), the fused-linear driver gathers the
 chunk's hidden rows for its GEMM.
 
 No host sync: ``cu_seqlens`` as a tensor with ``max_seqlen`` given builds the map with a few tensor ops where the
@@ -31,7 +31,7 @@ does the fused-linear level with ``cu_seqlens`` on the GPU: it chunks by rows on
 
 Every map addresses only its planes, even unchecked (``validate=False``): a device map clamps each position into
 its sequence's row, and the row kernels clamp each map entry into the ``[B, T]`` tensors
-(``ops.logprobs.kernel._token``). Broken boundaries then give an unspecified result, never a write outside a buffer.
+(``ops.common.row_token``). Broken boundaries then give an unspecified result, never a write outside a buffer.
 """
 from __future__ import annotations
 

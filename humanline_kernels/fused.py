@@ -9,10 +9,11 @@ the eager path (chunked eager log-probs, :mod:`humanline_kernels._eager`, then
 :func:`humanline_kernels.losses.compute`), which enters no custom op.
 
 Kernel path of the losses: one pass over the logits gives, per token, the log-prob, the humanline clamp, the
-loss term ``val`` and its derivative ``coef = d val / d logp`` (:mod:`humanline_kernels.ops.token_terms`). One more
-launch, the loss's finalize kernel (:mod:`humanline_kernels.ops.finalize`), does the ``[B, T]`` tail: per-sequence
-sums, the loss, the metrics and the row weights ``w = d loss / d val`` (tests pin both kernels and their eager twins
-to :mod:`humanline_kernels.reference`). The backward is one launch (:mod:`humanline_kernels.ops.logprobs`) that
+loss term ``val`` and its derivative ``coef = d val / d logp``, and, folded into the same launch for a dense batch
+(:mod:`humanline_kernels.ops.fold`), the ``[B, T]`` tail of the loss (:mod:`humanline_kernels.ops.dpo`,
+``.kto``, ``.grpo``): per-sequence sums, the loss, the metrics and the row weights ``w = d loss / d val`` (tests pin
+the kernels and their eager twins to :mod:`humanline_kernels.reference`). The backward is one launch
+(:mod:`humanline_kernels.ops.logprobs`) that
 recomputes the softmax from the saved per-row logsumexp:
 ``dlogits = grad_loss * w[b] * coef * (onehot - softmax) / temperature``.
 
@@ -41,20 +42,17 @@ _KERNELS = None
 
 
 def _kernels():
-    """The kernel modules (they import Triton: only once a call has decided for the kernels; then held here, so a
-    call does not pay three imports)."""
+    """:mod:`.ops.kernels`, the launchers (importing it imports Triton: only once a call has decided for the kernels;
+    then held here, so a call does not pay the import)."""
     global _KERNELS
     if _KERNELS is None:
-        from .ops.finalize import folded
-        from .ops.finalize import kernel as finalize
-        from .ops.logprobs import kernel as logprobs
-        from .ops.token_terms import kernel as token_terms
-        _KERNELS = logprobs, token_terms, finalize, folded
+        from .ops import kernels
+        _KERNELS = kernels
     return _KERNELS
 
 
 def _one_launch(tokens, labels):
-    """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/finalize/folded.py): for
+    """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/fold.py): for
     a dense batch with tokens. A packed batch's token map keeps the row kernel and a finalize launch after it (its
     rows do not tile its sequences), as do the fused-linear chunks."""
     return tokens is None and labels.numel() > 0
@@ -75,7 +73,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, return_entropy, inplace, kernels, logits, labels):
-        LP = _kernels()[0] if kernels else _eager
+        LP = _kernels() if kernels else _eager
         l3, y3 = _as_3d(logits, labels)
         logp, lse, ent = LP.logprobs_fwd(l3, y3, p.temperature, p.ignore_index, return_entropy)
         ctx.save_for_backward(logits, labels, lse, ent)
@@ -161,13 +159,13 @@ class _FusedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
-        _, TT, FIN, FOLD = _kernels()
+        impl = _kernels()
         inp = p.Inputs(*inputs)
         if _one_launch(tokens, labels):
-            _val, coef, lse, aux, loss, met, w = FOLD.FUSED[p.name](logits, labels, ref, p, inp)
+            _val, coef, lse, aux, loss, met, w = impl.ONE_LAUNCH[p.name](logits, labels, ref, p, inp)
         else:
-            val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp, segs=tokens)
-            loss, met, w = FIN.FINALIZE[p.name](val, aux, labels, p, inp)
+            val, coef, lse, aux = impl.token_terms(logits, labels, ref, p, inp, segs=tokens)
+            loss, met, w = impl.FINALIZE[p.name](val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(logits, labels, lse, coef, w, tokens, *((aux, ref, loss, *inputs) if owed else ()))
         ctx.cfg = (p, inplace, len(inputs), owed)
@@ -187,7 +185,7 @@ class _FusedLoss(torch.autograd.Function):
             more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
         d = None
         if ctx.needs_input_grad[3]:
-            d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+            d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
                                            out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
                                            segs=tokens)
         return (None, None, None, d, None) + more
@@ -201,18 +199,18 @@ class _GrpoGradInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
-        _, TT, FIN, FOLD = _kernels()
+        impl = _kernels()
         inp = p.Inputs(*inputs)
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         folded = _one_launch(tokens, labels)
-        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not folded else None
+        w = impl.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not folded else None
         if folded:
-            _val, _coef, _lse, aux, loss, met, w = FOLD.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
+            _val, _coef, _lse, aux, loss, met, w = impl.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
                                                                   grad_out=grad)
         else:
-            val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
-                                                   segs=tokens)
-            loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
+            val, _coef, _lse, aux = impl.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
+                                                     segs=tokens)
+            loss, met, _w = impl.grpo_finalize(val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(grad, *((labels, w, aux, ref, loss, *inputs) if owed else ()))
         ctx.cfg = (p, len(inputs), owed)
@@ -231,7 +229,7 @@ class _GrpoGradInForward(torch.autograd.Function):
             labels, w, aux, ref, loss, *inputs = side
             more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
         # a device-side no-op when grad_loss == 1 (the usual case; no host sync to find out)
-        _kernels()[0].scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
+        _kernels().scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
         return (None, None, None, grad, None) + more
 
 
@@ -243,9 +241,9 @@ class _Sequences(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, token_weights):
-        _, TT, FIN, _ = _kernels()
-        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, segs=tokens)
-        s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
+        impl = _kernels()
+        val, coef, lse, aux = impl.token_terms(logits, labels, ref, p, segs=tokens)
+        s, pol, n, met = impl.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
         owed = _owed(ctx, p, 5)
@@ -270,7 +268,7 @@ class _Sequences(torch.autograd.Function):
         add = None if grad_pol is None else grad_pol.contiguous()
         d = None
         if ctx.needs_input_grad[3]:
-            d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+            d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
                                            out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
         return None, None, None, d, None, d_ref, None
 

@@ -60,14 +60,12 @@ CHUNK_BYTES = 512 << 20  # logits buffer budget: 2048 tokens of a 128k vocabular
 
 
 def _impl(kernels):
-    """``(logprobs, token_terms, finalize)``: the Triton kernel modules (they import Triton: only once a call has
-    decided for them) or their eager twins (:mod:`._eager`, one module for the three)."""
+    """The launchers (:mod:`.ops.kernels`: importing it imports Triton, only once a call has decided for the
+    kernels) or their eager twins (:mod:`._eager`), under the same names."""
     if not kernels:
-        return _eager, _eager, _eager
-    from .ops.finalize import kernel as fin
-    from .ops.logprobs import kernel as lp
-    from .ops.token_terms import kernel as tt
-    return lp, tt, fin
+        return _eager
+    from .ops import kernels as launchers
+    return launchers
 
 
 def _autocast(hidden, weight, bias):
@@ -92,14 +90,14 @@ def _need(hidden, weight, bias):
     return (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
 
 
-def _scaled(acc, go, dtype, LP):
+def _scaled(acc, go, dtype, launchers):
     """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary), a new tensor; on the kernel path
-    (``LP``, the call's log-prob kernel module) one vectorised Triton pass (``torch.mul`` takes a non-vectorised
-    path for it on CUDA: ``ops.logprobs.kernel.scaled``)."""
+    (``launchers``, :mod:`.ops.kernels`) one vectorised Triton pass (``torch.mul`` takes a non-vectorised
+    path for it on CUDA: ``ops.logprobs.scaled``)."""
     if acc is None:
         return None
-    if LP is not None:
-        return LP.scaled(acc, go, dtype)
+    if launchers is not None:
+        return launchers.scaled(acc, go, dtype)
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     return torch.mul(acc, go, out=out)
 
@@ -164,7 +162,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, return_entropy, rows, kernels, tm, hidden, weight, bias, labels):
-        LP = _impl(kernels)[0]
+        impl = _impl(kernels)
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)  # tokens as one row: q = r
         f = dict(dtype=_acc(hidden), device=hidden.device)
         alloc = torch.empty if tm is None else torch.zeros  # (a map of the supervised tokens skips the others)
@@ -175,10 +173,10 @@ class _LinearLogprobs(torch.autograd.Function):
         gbuf = LC.gather_buffer(chunks, h2)
         for segs in chunks:
             z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
-            LP.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent),
+            impl.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent),
                             segs=LC.kernel_segs(segs))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
-        ctx.cfg = (p, chunks, LP, tm is not None)
+        ctx.cfg = (p, chunks, impl, tm is not None)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
         return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 
@@ -187,7 +185,7 @@ class _LinearLogprobs(torch.autograd.Function):
         if grad_logp is None and grad_ent is None:
             return (None,) * 9
         hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
-        p, chunks, LP, sparse = ctx.cfg
+        p, chunks, impl, sparse = ctx.cfg
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)
         dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[5:8], sparse)
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
@@ -196,7 +194,7 @@ class _LinearLogprobs(torch.autograd.Function):
         gbuf = LC.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
             z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
-            LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=LC.kernel_segs(segs),
+            impl.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=LC.kernel_segs(segs),
                             grad_entropy=gh, entropy=ent)
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (else they add to the peak)
@@ -258,7 +256,7 @@ class _LinearSequences(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, rows, kernels, tm, hidden, weight, bias, labels, ref, token_weights):
-        _, TT, FIN = _impl(kernels)
+        impl = _impl(kernels)
         B, T = labels.shape
         h2 = hidden.reshape(-1, hidden.shape[-1])
         f = dict(dtype=_acc(hidden), device=hidden.device)
@@ -268,10 +266,10 @@ class _LinearSequences(torch.autograd.Function):
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
         gbuf = LC.gather_buffer(chunks, h2)
         for segs in chunks:
-            TT.token_terms(LC.chunk_logits(buf, h2, wt, bias, segs, gbuf), labels, ref, p, out=out,
+            impl.token_terms(LC.chunk_logits(buf, h2, wt, bias, segs, gbuf), labels, ref, p, out=out,
                            segs=LC.kernel_segs(segs))
         val, coef, lse, aux = out
-        s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
+        s, pol, n, met = impl.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
         owed = _owed(ctx, p, 8)
@@ -287,7 +285,7 @@ class _LinearSequences(torch.autograd.Function):
             return (None,) * 10
         hidden, weight, bias, labels, lse, coef, *side = ctx.saved_tensors
         p, chunks, kernels, sparse, owed = ctx.cfg
-        LP = _impl(kernels)[0]
+        impl = _impl(kernels)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.to(lse.dtype).contiguous()
@@ -303,7 +301,7 @@ class _LinearSequences(torch.autograd.Function):
         gbuf = LC.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
             z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
-            LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
+            impl.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
                             segs=LC.kernel_segs(segs))
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (no z without chunks)
@@ -393,7 +391,7 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, chunk_bytes, kernels, need, tm, hidden, weight, bias, labels, ref, *inputs):
-        LP, TT, FIN = _impl(kernels)
+        impl = _impl(kernels)
         B, T = labels.shape
         max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
         chunks = LC.loss_chunks(p.name, B, T, max_rows) if tm is None else LC.map_chunks(p.name, tm, max_rows)
@@ -407,15 +405,15 @@ class _LinearLoss(torch.autograd.Function):
         ref = ref.to(f["dtype"]).contiguous()
         inp = p.Inputs(*(None if t is None else (t.to(f["dtype"]) if t.is_floating_point() else t).contiguous()
                          for t in inputs))
-        finalize = FIN.FINALIZE[p.name]
-        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if grpo and grad else None
+        finalize = impl.FINALIZE[p.name]
+        w = impl.grpo_finalize(None, None, labels, p, inp)[2] if grpo and grad else None
         buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
         gbuf = LC.gather_buffer(chunks, h2)
         whole = len(chunks) == 1  # a DPO / KTO chunk's finalize is then the whole batch's
         done = None  # (loss, metrics, w) of a finalize over the whole batch
         for i, segs in enumerate(chunks):
             z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
-            TT.token_terms(z, labels, ref, p, inp, out=out, segs=LC.kernel_segs(segs), row_weight=w,
+            impl.token_terms(z, labels, ref, p, inp, out=out, segs=LC.kernel_segs(segs), row_weight=w,
                            grad_out=z if grpo and grad else None)
             if not grad:
                 continue
@@ -424,13 +422,13 @@ class _LinearLoss(torch.autograd.Function):
                 if p.name == "kto" and inp.z0 is None:  # the baseline found once, by the first chunk's launch
                     inp = inp._replace(z0=res[1][0], kl_logps=None, kl_ref_logps=None, kl_mask=None)
                 done = res if whole else None
-                LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
+                impl.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
                                 segs=LC.kernel_segs(segs))
             LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         loss, met, w = done if done is not None else finalize(val, out[3], labels, p, inp)
         ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
         ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs),
-                    LP if kernels else None)
+                    impl if kernels else None)
         # a reference (advantages, ...) that requires grad: what its gradient needs (the loss detached: an output
         # kept on ctx would be a reference cycle)
         owed = _owed(ctx, p, 9)
@@ -442,7 +440,7 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, go, _grad_met):
-        h_shape, _w_dtype, b_dtype, n, LP = ctx.meta
+        h_shape, _w_dtype, b_dtype, n, impl = ctx.meta
         if go is None:
             return (None,) * (10 + n)
         if ctx.grads is None:
@@ -456,12 +454,12 @@ class _LinearLoss(torch.autograd.Function):
             ctx.grads = None
             dh = None if dh is None else dh.mul_(go)
         if dw is not None and dw.numel():  # dW *= go: on the kernel path one Triton pass, skipped on the device
-            if LP is not None:  # when go == 1 (no host sync); mul_ on the CPU scales bf16 by the fp32 go in fp32
-                LP.scale_rows_(dw.view(1, *dw.shape), go.to(torch.float32))
+            if impl is not None:  # when go == 1 (no host sync); mul_ on the CPU scales bf16 by the fp32 go in fp32
+                impl.scale_rows_(dw.view(1, *dw.shape), go.to(torch.float32))
             else:
                 dw.mul_(go)
         dh = None if dh is None else dh.view(h_shape)
-        db = _scaled(db, go, b_dtype, LP)
+        db = _scaled(db, go, b_dtype, impl)
         more = (None,) * (1 + n)
         if ctx.side is not None:
             p, owed, labels, aux, ref, inputs, loss, w, dtypes = ctx.side

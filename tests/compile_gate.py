@@ -97,9 +97,9 @@ def _cases():
     """``(name, aligned, call)``: each call drives the real launch wrappers once."""
     from humanline_kernels import HumanlineClip
     from humanline_kernels import _params as P
-    from humanline_kernels.ops.finalize import kernel as FK
-    from humanline_kernels.ops.logprobs import kernel as LPK
-    from humanline_kernels.ops.token_terms import kernel as TK
+    from humanline_kernels.ops import kernels as FK
+    from humanline_kernels.ops import logprobs as LPK
+    from humanline_kernels.ops import token_terms as TK
 
     clip = HumanlineClip(-1.5, 1.5)
 
@@ -250,21 +250,20 @@ def _cases():
         hk.fused.sequence_logratios(x, y, f, clip=None, validate=False)
 
     def fold(shape_name, dtype, kind, variant, use_clip=True, kl_ref=False):
-        # a fused loss's forward in one launch, the finalize folded into the row kernel (ops/finalize/folded.py);
+        # a fused loss's forward in one launch, the finalize folded into the row kernel (ops/fold.py);
         # GRPO's gradient in the forward on the persistent grid, with each row's weight ("rows") or the shared one
         # ("shared"), into a new buffer or over the logits ("inplace")
-        from humanline_kernels.ops.finalize import folded as FOLD
         x, y, f, adv, _ = tensors(shape_name, dtype)
         c = clip if use_clip else None
         if kind == "dpo":
-            FOLD.dpo_loss(x, y, f, P.DPO(clip=c, temperature=0.7))
+            FK.dpo_loss(x, y, f, P.DPO(clip=c, temperature=0.7))
         elif kind == "kto":
             inp = kto_inputs(f, adv, variant)
-            FOLD.kto_loss(x, y, f, P.KTO(clip=c), inp)
+            FK.kto_loss(x, y, f, P.KTO(clip=c), inp)
         else:
             grad = None if variant == "none" else x if variant.endswith("inplace") else torch.empty_like(x)
             p = P.GRPO(clip=c, beta=0.04, temperature=0.7)
-            FOLD.grpo_loss(x, y, f, p, P.GRPOInputs(adv, f if kl_ref else None), grad_out=grad,
+            FK.grpo_loss(x, y, f, p, P.GRPOInputs(adv, f if kl_ref else None), grad_out=grad,
                            row_weight=None if "shared" in variant else adv)
 
     def scale(shape_name, dtype):
@@ -403,19 +402,19 @@ def _int_class(v):
 def _launch_rules():
     """Launch parameters a launcher derives from a kernel's switches: a derived combination gets them by the
     launcher's own rule (kernel name -> kwargs -> kwargs), not the recorded launch's."""
-    from humanline_kernels.ops.finalize import folded as FOLD
+    from humanline_kernels.ops import fold, grpo
 
     def grpo_fold(kw):  # the persistent grid (GRAD 2, 3) has its own block, warps and register budget, and the
         x = kw["x_ptr"]  # tail's tiles follow the warps
-        block, warps = FOLD.grpo_config(x, kw["GRAD"])
-        _tile, bb, bt = FOLD.fold_config(x, kw["B"], warps)
+        block, warps = grpo.grpo_config(x, kw["GRAD"])
+        _tile, bb, bt = fold.fold_config(x, kw["B"], warps)
         kw = {k: v for k, v in kw.items() if k != "maxnreg"}
         return dict(kw, BLOCK_V=block, BLOCK_B=bb, BLOCK_T=bt, num_warps=warps,
-                    **FOLD._register_budget(x, warps, kw["GRAD"]))
+                    **grpo.grpo_register_budget(x, warps, kw["GRAD"]))
     return {"_grpo_loss_kernel": grpo_fold}
 
 
-# fewer bases for the folded kernels (ops/finalize/folded.py): each compile is a row kernel and a loss tail, and their
+# fewer bases for the folded kernels (ops/fold.py): each compile is a row kernel and a loss tail, and their
 # listed cases already cover every switch combination at the aligned shape in each dtype
 _MAX_BASES = {"_grpo_loss_kernel": 3, "_dpo_loss_kernel": 3, "_kto_loss_kernel": 3}
 

@@ -1,4 +1,4 @@
-"""The one-launch forward: the finalize folded into the row kernel (ops/finalize/folded.py) and GRPO's gradient in
+"""The one-launch forward: the finalize folded into the row kernel (ops/fold.py) and GRPO's gradient in
 the forward on a persistent grid, against hk.reference, and against the row kernel followed by a finalize launch
 (the path of a packed batch and of the fused-linear chunks, forced here on dense batches by the test's own
 ``unfolded`` patch of ``fused._one_launch``). The interpreter runs a grid's programs in order, so here the last
@@ -12,10 +12,9 @@ from test_fused_losses import _data, _run
 import humanline_kernels as hk
 from humanline_kernels import _params as P
 from humanline_kernels import fused
-from humanline_kernels.ops import _jit
-from humanline_kernels.ops.finalize import folded as FOLD
-from humanline_kernels.ops.finalize import kernel as FK
-from humanline_kernels.ops.token_terms import kernel as TK
+from humanline_kernels.ops import _jit, fold, grpo, kto
+from humanline_kernels.ops import kernels as FK
+from humanline_kernels.ops import token_terms as TK
 
 
 def unfolded(monkeypatch):
@@ -31,7 +30,7 @@ def path(request, monkeypatch):
 
 
 def _counters_zero():
-    return all(int(buf.abs().sum()) == 0 for buf in FOLD._COUNTERS.values())
+    return all(int(buf.abs().sum()) == 0 for buf in fold._COUNTERS.values())
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
@@ -138,8 +137,8 @@ def test_counters_zero_after_an_interrupted_launch(monkeypatch):
     x, y, ref = _data(3, 6, 40, seed=27)
     adv = torch.ones(3)
     hk.fused.grpo(x[:, :-1], y, ref, adv)  # the buffer exists
-    assert FOLD._COUNTERS and _counters_zero()
-    original = FOLD.launcher
+    assert fold._COUNTERS and _counters_zero()
+    original = grpo.launcher
 
     def half(kernel, t):
         twin = original(kernel, t)
@@ -151,11 +150,11 @@ def test_counters_zero_after_an_interrupted_launch(monkeypatch):
                     raise KeyboardInterrupt
                 return run
         return Grid()
-    monkeypatch.setattr(FOLD, "launcher", half)
+    monkeypatch.setattr(grpo, "launcher", half)
     with pytest.raises(KeyboardInterrupt):
         hk.fused.grpo(x[:, :-1], y, ref, adv)
     assert _counters_zero()
-    monkeypatch.setattr(FOLD, "launcher", original)
+    monkeypatch.setattr(grpo, "launcher", original)
     _run("grpo", x, y, ref, (adv,), {})
 
 
@@ -185,17 +184,25 @@ def test_persistent_grid_walks_the_rows(monkeypatch):
     """The persistent grid is ``min(rows, SMs x GIF_PROGRAMS_PER_SM)`` programs (3 "SMs" in the interpreter): 6
     programs for 10 rows, as many as rows when they are fewer; 3 programs walk ten rows, 3 or 4 each."""
     seen = []
-    original = FOLD._launch
+    original = grpo.launcher
 
-    def record(kernel, x, grid, **kwargs):
-        seen.append((grid, kwargs["GRAD"]))
-        return original(kernel, x, grid, **kwargs)
-    monkeypatch.setattr(FOLD, "_launch", record)
-    monkeypatch.setattr(FOLD, "GIF_PROGRAMS_PER_SM", 2)
+    def record(kernel, t):
+        twin = original(kernel, t)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def run(**kwargs):
+                    if kernel.fn.__name__ == "_grpo_loss_kernel":
+                        seen.append((grid, kwargs["GRAD"]))
+                    return twin[grid](**kwargs)
+                return run
+        return Grid()
+    monkeypatch.setattr(grpo, "launcher", record)
+    monkeypatch.setattr(grpo, "GIF_PROGRAMS_PER_SM", 2)
     x, y, ref = _data(2, 5, 60, seed=29)
     _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True))
     _run("grpo", x[:1, :2], y[:1, :1], ref[:1, :1], (torch.tensor([1.0]),), dict(grad_in_forward=True))
-    monkeypatch.setattr(FOLD, "GIF_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(grpo, "GIF_PROGRAMS_PER_SM", 1)
     _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True))
     assert seen == [((6,), 3), ((1,), 3), ((3,), 3)]  # 3: the persistent grid, the shared row weight
 
@@ -236,7 +243,7 @@ def test_kto_given_z0_launcher_matches_the_finalize():
     x, y, ref = _data(4, 5, 60, seed=31)
     p = P.KTO(clip=hk.HumanlineClip(), beta=0.2, undesirable_weight=1.5)
     inp = P.KTOInputs(torch.tensor([True, False, False, True]), z0=torch.tensor(0.37))
-    got = FOLD.kto_loss(x[:, :-1], y, ref, p, inp)
+    got = kto.kto_loss(x[:, :-1], y, ref, p, inp)
     val, coef, lse, aux = TK.token_terms(x[:, :-1], y, ref, p, inp)
     want = (val, coef, lse, aux, *FK.kto_finalize(val, aux, y, p, inp))
     for a, b in zip(got, want):
@@ -293,8 +300,8 @@ def test_gpu_fold_is_deterministic_and_matches_the_unfolded_path(shape, monkeypa
     most twice the unfolded path's (plus 1e-6 relative) for the loss, every metric and the gradient."""
     for name, (x, fn, truth) in _stress_calls(*_STRESS[shape]).items():
         runs = []
-        for fold in [True] * 20 + [False]:
-            if not fold:
+        for folded in [True] * 20 + [False]:
+            if not folded:
                 unfolded(monkeypatch)
             leaf = x.detach().clone().requires_grad_()
             loss, met = fn(leaf)
@@ -329,10 +336,10 @@ def test_row_kernels_register_budget(monkeypatch):
     x = torch.empty(2, 3, 64, device="meta", dtype=torch.bfloat16)  # meta as a compiled device, as the gate routes it
     _jit.COMPILED_DEVICES.add("meta")  # (the one set every launcher module imported)
     try:
-        assert FOLD._register_budget(x, 4) == {"maxnreg": 72}
-        assert FOLD._register_budget(x, 8) == {"maxnreg": 80}
-        assert FOLD._register_budget(x.float(), 4) == {"maxnreg": 168}  # fp32 rows: 3 programs
-        monkeypatch.setattr(FOLD, "ROW_WARPS_PER_SM", 4)
-        assert FOLD._register_budget(x, 4) == {"maxnreg": 248}
+        assert fold.row_register_budget(x, 4) == {"maxnreg": 72}
+        assert fold.row_register_budget(x, 8) == {"maxnreg": 80}
+        assert fold.row_register_budget(x.float(), 4) == {"maxnreg": 168}  # fp32 rows: 3 programs
+        monkeypatch.setattr(fold, "ROW_WARPS_PER_SM", 4)
+        assert fold.row_register_budget(x, 4) == {"maxnreg": 248}
     finally:
         _jit.COMPILED_DEVICES.discard("meta")

@@ -9,9 +9,9 @@ import humanline_kernels as hk
 from humanline_kernels import _eager
 from humanline_kernels import _params as P
 from humanline_kernels._params import METRICS
-from humanline_kernels.ops.finalize import kernel as FK
-from humanline_kernels.ops.logprobs import kernel as LPK
-from humanline_kernels.ops.token_terms import kernel as TK
+from humanline_kernels.ops import kernels as FK
+from humanline_kernels.ops import logprobs as LPK
+from humanline_kernels.ops import token_terms as TK
 
 GTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 

@@ -96,7 +96,7 @@ def test_triton_launch_path_runs_triton_and_restores_it():
     from triton.runtime.jit import JITFunction
 
     import humanline_kernels as hk
-    from humanline_kernels.ops.logprobs import kernel as LPK
+    from humanline_kernels.ops import logprobs as LPK
     x = torch.randn(2, 4, 16, requires_grad=True)
     y = torch.randint(0, 16, (2, 4))
     previous = driver._active

@@ -57,10 +57,7 @@ def _quiet_launches(monkeypatch):
     arguments are not kernels a GPU would run (the launch itself is counted by ``_jit.LAUNCHES``)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from humanline_kernels.ops.finalize import folded
-    from humanline_kernels.ops.finalize import kernel as finalize_kernels
-    from humanline_kernels.ops.logprobs import kernel as logprobs
-    from humanline_kernels.ops.token_terms import kernel as losses_kernels
+    from humanline_kernels.ops import dpo, grpo, kto, logprobs, sequence, token_terms
     original = _jit.launcher
 
     def launcher(kernel, t):
@@ -73,7 +70,7 @@ def _quiet_launches(monkeypatch):
                         return k[grid](*args, **kwargs)
                 return call
         return _Grid()
-    for mod in (_jit, logprobs, losses_kernels, finalize_kernels, folded):
+    for mod in (_jit, logprobs, token_terms, dpo, kto, grpo, sequence):
         monkeypatch.setattr(mod, "launcher", launcher)
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import humanline_kernels as hk
 from humanline_kernels import _eager, ops
-from humanline_kernels.ops.logprobs import kernel as LPK
+from humanline_kernels.ops import logprobs as LPK
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-3, 1e-2), torch.float16: (2e-3, 1e-2)}
 

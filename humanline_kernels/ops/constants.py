@@ -1,5 +1,5 @@
-"""Constants shared by the kernels and their launchers (what they compute; the API's names are
-:mod:`humanline_kernels._params`')."""
+"""The kernels' modes and layouts, shared by their launchers and the layers above (importable without Triton; the
+API's names are :mod:`humanline_kernels._params`')."""
 from __future__ import annotations
 
 # what the row kernel (ops.token_terms) computes per token: the clipped log-ratio (DPO, KTO, the sequence-level

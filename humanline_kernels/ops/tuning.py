@@ -11,7 +11,7 @@ defaults. Malformed entries are ignored (a table can only choose among valid lau
 * ``fwd``: ``token_logprobs``' forward sweep (``_logprobs_fwd_kernel``);
 * ``terms``: the token-terms kernel and the folded DPO / KTO / GRPO kernels with one program a row;
 * ``bwd``: the read-and-write passes (``_logprobs_bwd_kernel``, ``_scale_rows_kernel``);
-* ``gif``: GRPO's persistent gradient-in-forward grid (``ops/finalize/folded.py``).
+* ``gif``: GRPO's persistent gradient-in-forward grid (``ops/grpo.py``).
 """
 from __future__ import annotations
 

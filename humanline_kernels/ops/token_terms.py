@@ -1,7 +1,7 @@
 r"""Triton kernel for the per-token humanline terms, computed in the same pass over the logits as the log-prob.
 
 For each row ``r = (b, t)`` the kernel finds ``lse`` and ``l = z_y - lse`` (online softmax, see
-:mod:`..logprobs.kernel`), then with ``m = [y != ignore_index]``, ``D = l - l_ref``, ``Dh = clamp(D, p, r)`` (or ``D``):
+:mod:`.logprobs`), then with ``m = [y != ignore_index]``, ``D = l - l_ref``, ``Dh = clamp(D, p, r)`` (or ``D``):
 
 * ``MODE == 1`` (DPO/KTO): ``val = m * Dh``, ``coef = d val / d l = m * [p <= D <= r]``;
 * ``MODE == 2`` (GRPO): ``rho = exp(Dh)``, ``u = -min(A rho, A clamp(rho, 1 - e_lo, 1 + e_hi))`` (``A`` the row's
@@ -18,7 +18,7 @@ With ``GRAD`` (GRPO) the same program also writes ``dz = w_b * coef * (onehot(y)
 ``grad``, where ``w_b = d loss / d val`` is the aggregation weight of row ``b``: the row is read once for the
 softmax statistics and once more while the gradient is written (on chip only while the rows in flight fit: with a
 program a row and a large vocabulary that read mostly goes to HBM; the persistent grid of
-:mod:`..finalize.folded` keeps it in L1/L2, see docs/kernels.md).
+:mod:`.grpo` keeps it in L1/L2, see docs/kernels.md).
 
 The launcher is the ``torch.library`` op ``humanline::token_terms_out`` (``humanline::token_terms_inplace`` when the
 gradient overwrites the logits); :func:`token_terms` allocates its outputs and calls it.
@@ -31,100 +31,12 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from .._jit import custom_op, jit, launcher
-from ..constants import AUX_PLANES, MODE_GRPO
-from ..logprobs.kernel import (
-    _bt,
-    _row_base,
-    _row_grad_store,
-    _row_logp,
-    _row_zero,
-    chunk_rows,
-    device_guard,
-    logits_rows,
-    register_budget,
-    sweep_config,
-)
+from ._jit import custom_op, jit, launcher
+from .common import as_f32, chunk_rows, device_guard, grad_row, logits_rows, register_budget, row_terms, sweep_config
+from .constants import AUX_PLANES, MODE_GRPO
 
 
-@jit
-def _clamp(x, lo, hi):
-    # NaN stays NaN (as torch.clamp), so NaN logits give a NaN loss instead of a clamped number. The enum is
-    # written inline: bound to a local name, the GPU compiler makes it a tensor and rejects it (the interpreter
-    # accepted it; caught by tests/test_compile_gate.py).
-    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
-
-
-@jit
-def _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, val_ptr, coef_ptr,
-           lse_ptr, aux_ptr, tok_ptr, r, N, Q, T, V, inv_t, ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0,
-           off0, off1, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr,
-           TOKEN_MAP: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """The per-token terms of logits row ``r`` (see the module's docstring), written at its token ``q``
-    (:func:`_token`); returns ``(row pointer, q, label, valid, lse, coef)`` for a gradient sweep after it.
-    ``EVICT_LAST``: the softmax sweep asks L2 to keep the row (a second sweep of it follows)."""
-    plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
-    # q: the token of the [B, T] inputs and outputs (:func:`_token`)
-    base, q, y, valid, lse, _pz, logp = _row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
-                                                  Q, T, V, inv_t, ignore_index, BLOCK_V, False, TOKEN_MAP, EVICT_LAST)
-    delta = logp - tl.load(ref_ptr + q)
-    if CLIP:
-        dh = _clamp(delta, clip_lo, clip_hi)
-        inside = valid & (delta > clip_lo) & (delta < clip_hi)
-        dpass = (delta >= clip_lo) & (delta <= clip_hi)
-    else:
-        dh = delta
-        inside = valid
-        dpass = valid
-    dh = tl.where(valid, dh, 0.0)
-    tl.store(aux_ptr + q, inside.to(tl.float32))
-    if MODE == 1:
-        val = dh
-        coef = tl.where(valid & dpass, 1.0, 0.0)
-        tl.store(aux_ptr + plane + q, logp)  # the policy's own log-prob (sequence sums, SFT terms)
-        for i in range(2, 4):  # GRPO's planes, zero (the buffer is not zero-filled first: one launch less)
-            tl.store(aux_ptr + i * plane + q, 0.0)
-    else:
-        a = tl.load(_row_base(adv_ptr, q, T, adv_sb, adv_st)).to(tl.float32)
-        rho = tl.exp(dh)
-        a1 = a * rho
-        a2 = a * _clamp(rho, rho_lo, rho_hi)
-        u = -tl.minimum(a1, a2, propagate_nan=tl.PropagateNan.ALL)
-        du = tl.where((a1 <= a2) & dpass, -a1, 0.0)
-        if HAS_KL_REF:
-            lkl = tl.load(klref_ptr + q)
-        else:
-            lkl = tl.load(ref_ptr + q)
-        x = tl.where(valid, lkl - logp, 0.0)
-        ex = tl.exp(x)
-        k3 = ex - x - 1.0
-        # beta == 0 must not turn an infinite k3 into NaN (the reference drops the term then)
-        val = tl.where(valid, tl.where(beta != 0.0, u + beta * k3, u), 0.0)
-        coef = tl.where(valid, tl.where(beta != 0.0, du + beta * (1.0 - ex), du), 0.0)
-        tl.store(aux_ptr + plane + q, (valid & (rho < rho_lo) & (a < 0)).to(tl.float32))
-        tl.store(aux_ptr + 2 * plane + q, (valid & (rho > rho_hi) & (a > 0)).to(tl.float32))
-        tl.store(aux_ptr + 3 * plane + q, k3)
-        tl.store(aux_ptr + 4 * plane + q, logp)
-    tl.store(val_ptr + q, val)
-    tl.store(coef_ptr + q, coef)
-    tl.store(lse_ptr + q, lse)
-    return base, q, y, valid, lse, coef
-
-
-@jit
-def _grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, g, inv_t, BLOCK_V: tl.constexpr,
-              STREAM: tl.constexpr, ROW_WEIGHT: tl.constexpr):
-    """GRPO's gradient of logits row ``r`` (token ``q``): ``g (onehot - p) / T``, times ``w[b]`` with
-    ``ROW_WEIGHT``; zeros where ignored (``STREAM``: see :func:`_row_grad_store`)."""
-    out_base = _row_base(g_ptr, r, T, g_sb, g_st)
-    if valid:
-        if ROW_WEIGHT:
-            g = g * tl.load(w_ptr + _bt(q, T)[0])
-        _row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V, STREAM)
-    else:
-        _row_zero(out_base, V, BLOCK_V, STREAM)
-
-
+# ------------------------------------------------------------------ kernel
 @jit(do_not_specialize=["N", "Q", "n0", "off0", "off1", "adv_sb", "adv_st"])
 def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr,
                         g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, Q, T, V, inv_t,
@@ -132,12 +44,12 @@ def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr
                         MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr,
                         TOKEN_MAP: tl.constexpr):
     r = tl.program_id(0)  # row of the logits and of the gradient output
-    base, q, y, valid, lse, coef = _terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb,
+    base, q, y, valid, lse, coef = row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb,
                                           adv_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, r, N, Q, T, V, inv_t,
                                           ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1,
                                           BLOCK_V, MODE, CLIP, HAS_KL_REF, TOKEN_MAP, False)
     if GRAD:
-        _grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, coef, inv_t, BLOCK_V, False, True)
+        grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, coef, inv_t, BLOCK_V, False, True)
 
 
 # ------------------------------------------------------------------ launcher (torch.library ops) and its caller
@@ -177,12 +89,10 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
 # one launcher, two ops: the gradient into a buffer of its own or over the logits (a mutated argument of an op may
 # not alias another of its arguments, so the in-place op mutates the logits and gets grad=None)
 _terms_out = custom_op("token_terms_out", mutates_args=("grad", "val", "coef", "lse", "aux"))(_terms_launch)
+
+
 _terms_inplace = custom_op("token_terms_inplace", mutates_args=("logits", "val", "coef", "lse", "aux"),
                            bumps=(0,))(_terms_launch)
-
-
-def _f32(t):
-    return None if t is None else t.to(torch.float32).contiguous()
 
 
 def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, row_weight=None, grad_out=None):
@@ -194,7 +104,7 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
     With ``row_weight [B]`` and ``grad_out`` (a buffer shaped like ``logits``, or ``logits`` itself: in place,
     its version counter bumped) the GRPO gradient is written too. ``out``: the four outputs to write into
     (``val``, ``coef``, ``lse`` contiguous ``[B, T]``, ``aux`` ``[AUX_PLANES, B, T]`` with any plane stride).
-    ``segs``: a fused-linear chunk's token ranges (:func:`..logprobs.kernel.chunk_rows`); ``logits`` and
+    ``segs``: a fused-linear chunk's token ranges (:func:`.common.chunk_rows`); ``logits`` and
     ``grad_out`` are then the chunk's ``[n, V]`` buffer, every other tensor the whole batch's, and ``out`` is
     required.
     """
@@ -206,10 +116,10 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
         val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
         out = val, coef, lse, torch.empty((AUX_PLANES[p.mode], B, T), **f32)
     grpo = p.mode == MODE_GRPO
-    klref = _f32(inp.kl_ref_logps) if grpo else None
+    klref = as_f32(inp.kl_ref_logps) if grpo else None
     adv = inp.advantages.to(torch.float32) if grpo else None
     inplace = grad_out is not None and grad_out is logits
     (_terms_inplace if inplace else _terms_out)(
-        logits, labels, _f32(ref_logps), klref, adv, _f32(row_weight), None if inplace else grad_out, inplace, *out,
+        logits, labels, as_f32(ref_logps), klref, adv, as_f32(row_weight), None if inplace else grad_out, inplace, *out,
         *p.terms, *chunk_rows(segs, B * T))
     return out
