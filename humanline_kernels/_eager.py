@@ -24,7 +24,7 @@ import torch
 
 from . import losses
 from ._params import METRICS
-from .ops.constants import AUX_PLANES, MODE_GRPO
+from .ops.constants import AUX_PLANES, Terms
 
 CHUNK_BYTES = 64 << 20
 
@@ -177,7 +177,7 @@ def _token_terms_rows(logits, labels, ref, p, adv, klref, w_tok, grad_out):
     logp, lse, _ = logprobs_fwd(logits, labels, p.temperature, p.ignore_index, False)
     mask = labels != p.ignore_index
     ref = ref.to(logp.dtype)
-    grpo = p.mode == MODE_GRPO
+    grpo = p.mode == Terms.GRPO
     with torch.enable_grad():
         lp = logp.detach().requires_grad_()
         val = losses.clip_log_ratio(lp, ref, mask, p.clip)[0]
@@ -203,7 +203,7 @@ def _token_terms_rows(logits, labels, ref, p, adv, klref, w_tok, grad_out):
 
 def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, row_weight=None, grad_out=None):
     """The twin of the token-terms launcher (same arguments and results): ``(val, coef, lse, aux)``."""
-    grpo = p.mode == MODE_GRPO
+    grpo = p.mode == Terms.GRPO
     B, T = labels.shape
     adv = klref = None
     if grpo:

@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import _validation as V
+from . import _validation
 
 __all__ = ["Packed", "TokenMap", "packed_map", "check_bounds", "supervised_map", "flat", "unpack", "unpack_like",
            "pack"]
@@ -183,8 +183,9 @@ def _check_cu_device(cu: Tensor, N: int, T: int, name="packed"):
     d = torch.diff(cu, prepend=cu.new_zeros(1))  # d[0] = cu[0]: 0 when the first boundary is
     ok = ((d >= 0) & (d <= T)).all() & (d[0] == 0) & (cu[-1] == N)
     longest = f" and hold no sequence longer than max_seqlen={T}" if T < N else ""
-    V.device_check(ok, f"{name}.cu_seqlens must start at 0, never decrease, end at the {N} packed positions{longest}",
-                 lambda: f", got {_shown(cu.tolist())}")
+    _validation.device_check(
+        ok, f"{name}.cu_seqlens must start at 0, never decrease, end at the {N} packed positions{longest}",
+        lambda: f", got {_shown(cu.tolist())}")
 
 
 def check_bounds(packed: Packed, N: int, *, validate=True, name="packed"):
@@ -329,13 +330,14 @@ def check_packed(name, x, labels, ref_logps, packed, p=None, *, packed_name="pac
     if not isinstance(x, torch.Tensor) or x.dim() not in ((1, 2) if per_token else (2, 3)) or (
             x.dim() == (2 if per_token else 3) and x.shape[0] != 1):
         want = "[N] or [1, N]" if per_token else "[N, V] or [1, N, V]" if name == "logits" else "[N, D] or [1, N, D]"
-        got = V.shape_of(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        got = _validation.shape_of(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise ValueError(f"{name} must have shape {want} (a tensor) for a packed batch, got {got}")
     if p is not None:
-        V.check_tensor("labels", labels, dtypes=(torch.int64,), device=x.device)
+        _validation.check_tensor("labels", labels, dtypes=(torch.int64,), device=x.device)
         if tuple(labels.shape) != tuple(x.shape[:-1]):
             raise ValueError(f"labels must have shape {list(x.shape[:-1])} ({name} without its last dimension), "
-                             f"got {V.shape_of(labels)}")
-        V.check_ref(p, ref_logps, labels)
+                             f"got {_validation.shape_of(labels)}")
+        _validation.check_ref(p, ref_logps, labels)
     elif ref_logps is not None:
-        V.check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=V.LOGP_DTYPES, device=labels.device)
+        _validation.check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=_validation.LOGP_DTYPES,
+                                 device=labels.device)

@@ -2,9 +2,10 @@
 
 A public function builds its loss's params from its keywords (the same keywords at every input level), checks
 them once (:mod:`._validation`), and hands the object down whole: to the ``autograd.Function``, to the
-fused-linear driver, to the kernels' launchers, which flatten it to scalars only where a kernel or a
-``torch.library`` op needs scalars (:attr:`Loss.terms`, computed once per object). The tensors a loss needs besides
-the log-probs (advantages, the KTO labels and KL rows, ...) travel as the loss's :attr:`Loss.Inputs` tuple.
+fused-linear driver, to the kernels' launchers, which hand its fields on by name, as scalars only where a kernel
+or a ``torch.library`` op needs scalars (``clip.log_eps_p`` is ``log_eps_p`` down to the kernel). The tensors a loss
+needs besides the log-probs (advantages, the KTO labels and KL rows, ...) travel as the loss's :attr:`Loss.Inputs`
+tuple.
 
 A new objective adds a params class here (its keywords), its math in :mod:`humanline_kernels.losses` and its
 ground truth in :mod:`humanline_kernels.reference`.
@@ -18,13 +19,14 @@ from typing import ClassVar, NamedTuple, Optional
 from torch import Tensor
 
 from ._clip import DEFAULT_CLIP, HumanlineClip
-from .ops.constants import AGG_FIXED, AGG_ROWS, AGG_TOKENS, MODE_GRPO, MODE_RATIO
+from .ops.constants import Aggregation, Terms
 
 # TRL 1.16's GRPO loss types, every one at the log-prob level (hk.reference, hk.losses)
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # the ones the kernels aggregate (the logits and hidden-state levels), and how: over tokens (dapo, bnpo), the mean of
 # the row means (grpo), over a fixed count (dr_grpo)
-GRPO_AGGREGATION = {"dapo": AGG_TOKENS, "bnpo": AGG_TOKENS, "grpo": AGG_ROWS, "dr_grpo": AGG_FIXED}
+GRPO_AGGREGATION = {"dapo": Aggregation.TOKENS, "bnpo": Aggregation.TOKENS, "grpo": Aggregation.ROWS,
+                    "dr_grpo": Aggregation.FIXED}
 
 # the metrics of each loss's finalize, in the order of the kernel's ``metrics`` tensor
 METRICS = {
@@ -84,21 +86,11 @@ class Loss(Tokens):
 
     clip: Optional[HumanlineClip] = DEFAULT_CLIP
     name: ClassVar[str]
-    mode: ClassVar[int] = MODE_RATIO
+    mode: ClassVar[Terms] = Terms.RATIO
     Inputs: ClassVar[type] = NoInputs
     # whether the loss needs ref_logps (the sequence-level primitive takes None as a reference of 0; SimPO and SLiC
     # have none)
     needs_ref: ClassVar[bool] = True
-
-    @property
-    def terms(self) -> tuple:  # (a property, not functools.cached_property: that one locks on Python 3.11)
-        """The row kernel's scalars: ``(mode, clip_on, clip_lo, clip_hi, rho_lo, rho_hi, beta, inv_t,
-        ignore_index)``; ``rho_*`` and ``beta`` are GRPO's (PPO band and k3 weight), unused otherwise."""
-        c = self.clip
-        grpo = self.mode == MODE_GRPO
-        return (self.mode, c is not None, float(c.log_eps_p) if c else 0.0, float(c.log_eps_r) if c else 0.0,
-                1.0 - float(self.epsilon_low) if grpo else 0.8, 1.0 + float(self.epsilon_high) if grpo else 1.2,
-                float(self.beta) if grpo else 0.0, 1.0 / float(self.temperature), self.ignore_index)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,11 +200,11 @@ class GRPO(Loss):
     last_world_entropy: float = math.inf
     use_bias_correction_kl: bool = False
     name: ClassVar[str] = "grpo"
-    mode: ClassVar[int] = MODE_GRPO
+    mode: ClassVar[Terms] = Terms.GRPO
     Inputs: ClassVar[type] = GRPOInputs
 
     @property
-    def aggregation(self) -> int:
+    def aggregation(self) -> Aggregation:
         """How the GRPO finalize kernel aggregates this ``loss_type`` (one the kernels compute)."""
         return GRPO_AGGREGATION[self.loss_type]
 

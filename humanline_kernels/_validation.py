@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import _objectives as O
+from . import _objectives
 from ._clip import HumanlineClip
 from ._params import GRPO_AGGREGATION, GRPO_LOSS_TYPES
 
@@ -201,7 +201,7 @@ def check_label_range(labels, V, ignore_index):
         return f"; got {int(labels[tuple(idx)])} at index {idx}"
 
     device_check((((labels >= 0) & (labels < V)) | (labels == ignore_index)).all(),
-                  f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}", where)
+                 f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}", where)
 
 
 def device_check(ok, msg, detail=None):
@@ -296,7 +296,7 @@ def check_supervised(labels, covered, ignore_index):
     """No label outside the ``supervised`` ranges: ``covered`` (the labels at the ranges' positions) holds every
     label of ``labels`` that is not ``ignore_index``. A device-side assert, as :func:`check_label_range`."""
     device_check((labels != ignore_index).sum() == (covered != ignore_index).sum(),
-                  "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)")
+                 "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)")
 
 
 def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
@@ -352,7 +352,7 @@ def check_dpo_options(logps, *, clip, beta, label_smoothing, loss_type, loss_wei
             check_real("loss_weights", w)
     if rpo_alpha is not None:
         check_real("rpo_alpha", rpo_alpha, low=0.0)
-    types, weights = O.mixture(loss_type, loss_weights, rpo_alpha)
+    types, weights = _objectives.mixture(loss_type, loss_weights, rpo_alpha)
     if clip is not None and "aot" in types:
         raise ValueError("loss_type 'aot' has no humanline form: it sorts the policy's and the reference's "
                          "chosen-minus-rejected sums separately, so no per-token log-ratio exists to clamp; "

@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _eager, losses, ops
-from . import _layout as L
-from . import _objectives as O
-from . import _validation as V
+from . import _eager, _layout, _objectives, _validation, losses, ops
 from ._clip import DEFAULT_CLIP
 from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics
-from .ops.constants import LOGP_PLANE, MODE_GRPO
+from .ops.constants import LOGP_PLANE, Terms
 
 __all__ = ["token_logprobs", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo", "slic"]
 
@@ -120,7 +117,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     bumped). ``validate=False`` skips the label range check, the only check that synchronises with the device.
     """
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    V.check_logits(logits, labels, p, validate, return_entropy=return_entropy, inplace_backward=inplace_backward)
+    _validation.check_logits(logits, labels, p, validate, return_entropy=return_entropy,
+                             inplace_backward=inplace_backward)
     kernels = ops.use_kernels(logits)
     logp, ent = _TokenLogprobs.apply(p, return_entropy, inplace_backward, kernels, logits, labels)
     return (logp, ent) if return_entropy else logp
@@ -131,7 +129,7 @@ def _owed(ctx, p, at):
     autograd.Function's arguments from ``at`` on (the reference, then GRPO's inputs; KTO's KL rows get none, as in
     ``hk.reference``). None when none does: nothing more is kept for the backward then."""
     n = ctx.needs_input_grad
-    grpo = p.mode == MODE_GRPO
+    grpo = p.mode == Terms.GRPO
     owed = (n[at], grpo and n[at + 1], grpo and n[at + 2], grpo and n[at + 3])
     return owed if any(owed) else None
 
@@ -141,7 +139,7 @@ def _input_grads(p, owed, labels, aux, ref, inputs, loss, g, grad_loss):
     policy log-probs the row kernel wrote in ``aux``); ``g = d loss / d val`` per row ``[B, 1]`` (grad_output
     included). A tensor normalizer of "dapo" / "bnpo" divides the loss: ``d loss / d normalizer = -loss /
     normalizer``."""
-    inp = p.Inputs(*inputs) if p.mode == MODE_GRPO else None  # (only GRPO's inputs have gradients)
+    inp = p.Inputs(*inputs) if p.mode == Terms.GRPO else None  # (only GRPO's inputs have gradients)
     d = losses.input_grads(p, aux[LOGP_PLANE[p.mode]], ref, labels != p.ignore_index, inp, g, owed[:3])
     out = [None if x is None else x.to(t.dtype) for x, t in zip(d, (ref, *inputs))] + [None] * len(inputs)
     if owed[3]:
@@ -186,8 +184,8 @@ class _FusedLoss(torch.autograd.Function):
         d = None
         if ctx.needs_input_grad[3]:
             d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                           out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
-                                           segs=tokens)
+                                        out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
+                                        segs=tokens)
         return (None, None, None, d, None) + more
 
 
@@ -269,7 +267,7 @@ class _Sequences(torch.autograd.Function):
         d = None
         if ctx.needs_input_grad[3]:
             d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                           out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
+                                        out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
         return None, None, None, d, None, d_ref, None
 
 
@@ -279,7 +277,7 @@ def _kernel_rows(p, logits, labels, ref_logps, inplace, token_weights=None, toke
     if ref_logps is None:
         ref_logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     s, pol, n, met = _Sequences.apply(p, bool(inplace), tokens, logits, labels, ref_logps, token_weights)
-    return O.Rows(s, pol, n), named_metrics("sequence", met)
+    return _objectives.Rows(s, pol, n), named_metrics("sequence", met)
 
 
 def _distinct(*ts):
@@ -300,7 +298,7 @@ def _eager_logps(p, logits, labels, ref_logps, lay=None):
     if lay is None:
         logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
     else:
-        logps = L.unpack(_TokenLogprobs.apply(p, False, False, False, logits, lay[1].reshape(-1))[0], lay[0], 0.0)
+        logps = _layout.unpack(_TokenLogprobs.apply(p, False, False, False, logits, lay[1].reshape(-1))[0], lay[0], 0.0)
     if ref_logps is not None:
         logps = logps.to(ref_logps.dtype)
     return logps, labels != p.ignore_index
@@ -318,20 +316,20 @@ def _logits_level(p, logits, labels, ref_logps, packed, validate, **flags):
     the per-token tensors moved to the padded rows ``[S, T]`` (:func:`._layout.unpack`), ``lay = (map, packed
     labels)``."""
     if packed is None:
-        V.check_logits_loss(logits, labels, ref_logps, p, validate, **flags)
+        _validation.check_logits_loss(logits, labels, ref_logps, p, validate, **flags)
         return logits, labels, ref_logps, None
-    L.check_packed("logits", logits, labels, ref_logps, packed, p)
-    V.check_logits(logits, labels, p, validate, **flags)
+    _layout.check_packed("logits", logits, labels, ref_logps, packed, p)
+    _validation.check_logits(logits, labels, p, validate, **flags)
     x = logits.reshape(-1, logits.shape[-1])
-    tm = L.packed_map(packed, x.shape[0], x.device, validate=validate)
-    ref = None if ref_logps is None else L.unpack(ref_logps, tm, 0.0)
-    return x, L.unpack(labels, tm, p.ignore_index), ref, (tm, labels)
+    tm = _layout.packed_map(packed, x.shape[0], x.device, validate=validate)
+    ref = None if ref_logps is None else _layout.unpack(ref_logps, tm, 0.0)
+    return x, _layout.unpack(labels, tm, p.ignore_index), ref, (tm, labels)
 
 
 def _per_token(t, lay, per_sequence=False):
     """A per-token input (``[N]`` of a packed batch, shaped like its labels) on the padded rows; others as given
     (``per_sequence``: advantages, whose ``[S]`` is one per sequence even when ``N == S``)."""
-    return t if lay is None else L.unpack_like(t, *lay, per_sequence)
+    return t if lay is None else _layout.unpack_like(t, *lay, per_sequence)
 
 
 def _tokens(lay):
@@ -361,7 +359,7 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    grad_in_forward=grad_in_forward, inplace_backward=inplace_backward)
     inp = GRPOInputs(_per_token(advantages, lay, True), _per_token(kl_ref_logps, lay), norm)
-    V.check_grpo(p, labels.shape, ref_logps, inp)
+    _validation.check_grpo(p, labels.shape, ref_logps, inp)
     if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
         return _eager_loss(p, logits, labels, ref_logps, inp, lay)
     gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
@@ -383,18 +381,18 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
-    V.check_fused_dpo(p)
+    _validation.check_fused_dpo(p)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    inplace_backward=inplace_backward)
-    mixture = V.check_dpo(p, labels.shape[0], ref_logps)
-    V.check_fused_dpo(p, mixture[0])
+    mixture = _validation.check_dpo(p, labels.shape[0], ref_logps)
+    _validation.check_fused_dpo(p, mixture[0])
     if not ops.use_kernels(logits, ref_logps):
         return _eager_loss(p, logits, labels, ref_logps, DPOInputs(), lay)
     if p.fast:
         loss, met = _FusedLoss.apply(p, inplace_backward, _tokens(lay), logits, labels, ref_logps)
         return loss, named_metrics("dpo", met)
     mask = labels != ignore_index
-    tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha)
+    tw = None if ld_alpha is None else _objectives.ld_weights(mask, ld_alpha)
     rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, tw, _tokens(lay))
     if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
         rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
@@ -413,7 +411,7 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
                                                    inplace_backward=inplace_backward)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_kto(p, labels.shape[0], labels.device, inp)
+    _validation.check_kto(p, labels.shape[0], labels.device, inp)
     if not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
         return _eager_loss(p, logits, labels, ref_logps, inp, lay)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
@@ -435,7 +433,7 @@ def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False,
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    inplace_backward=inplace_backward)
-    V.check_sequence(p)
+    _validation.check_sequence(p)
     if ops.use_kernels(logits, ref_logps):
         rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
     else:
@@ -451,7 +449,7 @@ def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, igno
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    inplace_backward=inplace_backward)
-    V.check_ipo(p, labels.shape[0])
+    _validation.check_ipo(p, labels.shape[0])
     if not ops.use_kernels(logits, ref_logps):
         return _eager_loss(p, logits, labels, ref_logps, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay)))
@@ -464,7 +462,7 @@ def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, tempera
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
     logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
-    V.check_simpo(p, labels.shape[0])
+    _validation.check_simpo(p, labels.shape[0])
     if not ops.use_kernels(logits):
         return _eager_loss(p, logits, labels, None, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))
@@ -476,7 +474,7 @@ def slic(logits, labels, *, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.
     :func:`humanline_kernels.losses.slic`."""
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
     logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
-    V.check_slic(p, labels.shape[0])
+    _validation.check_slic(p, labels.shape[0])
     if not ops.use_kernels(logits):
         return _eager_loss(p, logits, labels, None, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))

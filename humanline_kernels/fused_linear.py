@@ -43,14 +43,11 @@ import math
 
 import torch
 
-from . import _eager, losses, ops
-from . import _layout as L
-from . import _objectives as O
-from . import _validation as V
+from . import _eager, _layout, _objectives, _validation, losses, ops
 from ._clip import DEFAULT_CLIP
 from ._params import DPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics
 from .fused import _distinct, _input_grads, _owed
-from .ops import linear as LC
+from .ops import linear
 from .ops.constants import AUX_PLANES
 
 __all__ = ["token_logprobs", "token_logprobs_nograd", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo",
@@ -139,20 +136,20 @@ def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, valid
     ``[S, T]`` with the token map of a packed batch and / or of the supervised positions (:mod:`._layout`; ``pairs``:
     DPO's chunks of whole pairs, so the map lists row ``j`` then row ``P + j``)."""
     if packed is None:
-        V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+        _validation.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
         if supervised is None:
             return labels, ref_logps, None
-        tm = L.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
+        tm = _layout.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
     else:
-        L.check_packed("hidden", hidden, labels, ref_logps, packed, p)
-        V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+        _layout.check_packed("hidden", hidden, labels, ref_logps, packed, p)
+        _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
         N, dev = labels.numel(), hidden.device
-        tm = (L.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
-              L.supervised_map(supervised, 0, 0, dev, packed=packed, N=N, pairs=pairs))
-    y = L.unpack(labels, tm, p.ignore_index)
+        tm = (_layout.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
+              _layout.supervised_map(supervised, 0, 0, dev, packed=packed, N=N, pairs=pairs))
+    y = _layout.unpack(labels, tm, p.ignore_index)
     if validate and supervised is not None:
-        V.check_supervised(labels, y, p.ignore_index)
-    return y, None if ref_logps is None else L.unpack(ref_logps, tm, 0.0), tm
+        _validation.check_supervised(labels, y, p.ignore_index)
+    return y, None if ref_logps is None else _layout.unpack(ref_logps, tm, 0.0), tm
 
 
 # ---------------------------------------------------------------------------------------------- token log-probs
@@ -168,13 +165,13 @@ class _LinearLogprobs(torch.autograd.Function):
         alloc = torch.empty if tm is None else torch.zeros  # (a map of the supervised tokens skips the others)
         logp, lse = alloc(y.shape, **f), alloc(y.shape, **f)
         ent = alloc(y.shape, **f) if return_entropy else None
-        chunks = LC.token_chunks(y.shape[1], rows) if tm is None else LC.map_chunks("tokens", tm, rows)
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        chunks = linear.token_chunks(y.shape[1], rows) if tm is None else linear.map_chunks("tokens", tm, rows)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for segs in chunks:
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)
             impl.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent),
-                            segs=LC.kernel_segs(segs))
+                              segs=linear.kernel_segs(segs))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.cfg = (p, chunks, impl, tm is not None)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
@@ -187,16 +184,16 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
         p, chunks, impl, sparse = ctx.cfg
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[5:8], sparse)
+        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[5:8], sparse)
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
         gh = None if grad_ent is None else grad_ent.reshape(y.shape)
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
-            impl.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=LC.kernel_segs(segs),
-                            grad_entropy=gh, entropy=ent)
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
+            impl.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=linear.kernel_segs(segs),
+                              grad_entropy=gh, entropy=ent)
+            linear.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (else they add to the peak)
         dh = None if dh is None else dh.view(hidden.shape)
         db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
@@ -222,19 +219,19 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
     if packed is not None:  # (the losses' order: the layout first, then the level's own checks)
-        L.check_packed("hidden", hidden, labels, None, packed)
-    V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
+        _layout.check_packed("hidden", hidden, labels, None, packed)
+    _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
     tm = None
     if supervised is not None:
         N = labels.numel()
         T = labels.shape[-1]  # (padded: the rows of labels [..., T])
         R = math.prod(labels.shape[:-1])  # (N // T, but also with T = 0)
-        tm = L.flat(L.supervised_map(supervised, R, T, hidden.device, packed=packed, N=N))
+        tm = _layout.flat(_layout.supervised_map(supervised, R, T, hidden.device, packed=packed, N=N))
         if validate:
-            V.check_supervised(labels, labels.reshape(-1).index_select(0, tm.plane), ignore_index)
+            _validation.check_supervised(labels, labels.reshape(-1).index_select(0, tm.plane), ignore_index)
     elif packed is not None:  # the stream's log-probs are its own whatever its sequences: boundaries checked only
-        L.check_bounds(packed, labels.numel(), validate=validate)
-    rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+        _layout.check_bounds(packed, labels.numel(), validate=validate)
+    rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
     logp, ent = _LinearLogprobs.apply(p, return_entropy, rows, ops.use_kernels(hidden), tm, hidden, weight,
                                       bias, labels)
     return (logp, ent) if return_entropy else logp
@@ -262,12 +259,12 @@ class _LinearSequences(torch.autograd.Function):
         f = dict(dtype=_acc(hidden), device=hidden.device)
         out = _planes(p, B, T, f, tm, kernels)
         ref = torch.zeros((B, T), **f) if ref is None else ref.to(f["dtype"]).contiguous()
-        chunks = LC.token_chunks(B * T, rows) if tm is None else LC.map_chunks("sequence", tm, rows)
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        chunks = linear.token_chunks(B * T, rows) if tm is None else linear.map_chunks("sequence", tm, rows)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for segs in chunks:
-            impl.token_terms(LC.chunk_logits(buf, h2, wt, bias, segs, gbuf), labels, ref, p, out=out,
-                           segs=LC.kernel_segs(segs))
+            impl.token_terms(linear.chunk_logits(buf, h2, wt, bias, segs, gbuf), labels, ref, p, out=out,
+                             segs=linear.kernel_segs(segs))
         val, coef, lse, aux = out
         s, pol, n, met = impl.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
@@ -287,7 +284,7 @@ class _LinearSequences(torch.autograd.Function):
         p, chunks, kernels, sparse, owed = ctx.cfg
         impl = _impl(kernels)
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
+        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.to(lse.dtype).contiguous()
         d_ref = None
         if owed and grad_s is not None:  # the policy sums do not depend on the reference
@@ -297,13 +294,13 @@ class _LinearSequences(torch.autograd.Function):
         if not any(ctx.needs_input_grad[4:7]):
             return None, None, None, None, None, None, None, None, d_ref, None
         add = None if grad_pol is None else grad_pol.to(lse.dtype).contiguous()
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
             impl.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
-                            segs=LC.kernel_segs(segs))
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+                              segs=linear.kernel_segs(segs))
+            linear.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (no z without chunks)
         dh = None if dh is None else dh.view(hidden.shape)
         db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
@@ -313,10 +310,10 @@ class _LinearSequences(torch.autograd.Function):
 def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights=None, tm=None):
     """``(Rows, metrics)`` of the sequence-level primitive (``ref_logps=None``: a reference of 0; ``tm``: a token
     map, :mod:`._layout`)."""
-    rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+    rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
     s, pol, n, met = _LinearSequences.apply(p, rows, ops.use_kernels(hidden, ref_logps), tm, hidden, weight, bias,
                                             labels, ref_logps, token_weights)
-    return O.Rows(s, pol, n), named_metrics("sequence", met)
+    return _objectives.Rows(s, pol, n), named_metrics("sequence", met)
 
 
 def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=None, normalize=False, temperature=1.0,
@@ -328,7 +325,7 @@ def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=Non
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    V.check_sequence(p)
+    _validation.check_sequence(p)
     rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm)
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
@@ -340,7 +337,7 @@ def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip=None, beta=0.1, te
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    V.check_ipo(p, labels.shape[0])
+    _validation.check_ipo(p, labels.shape[0])
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm))
 
 
@@ -351,7 +348,7 @@ def simpo(hidden, weight, labels, *, bias=None, clip=None, beta=2.0, gamma_beta_
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
     labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
-    V.check_simpo(p, labels.shape[0])
+    _validation.check_simpo(p, labels.shape[0])
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
@@ -361,7 +358,7 @@ def slic(hidden, weight, labels, *, bias=None, clip=None, beta=1.0, lambda_coef=
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
     labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
-    V.check_slic(p, labels.shape[0])
+    _validation.check_slic(p, labels.shape[0])
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
@@ -393,38 +390,38 @@ class _LinearLoss(torch.autograd.Function):
     def forward(ctx, p, chunk_bytes, kernels, need, tm, hidden, weight, bias, labels, ref, *inputs):
         impl = _impl(kernels)
         B, T = labels.shape
-        max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-        chunks = LC.loss_chunks(p.name, B, T, max_rows) if tm is None else LC.map_chunks(p.name, tm, max_rows)
+        max_rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+        chunks = linear.loss_chunks(p.name, B, T, max_rows) if tm is None else linear.map_chunks(p.name, tm, max_rows)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         grad, grpo = any(need), p.name == "grpo"
         f = dict(dtype=_acc(ref), device=hidden.device)
         out = _planes(p, B, T, f, tm, kernels)
         val, coef, lse, _ = out
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need, _sparse(tm, h2)) if grad else (None, None, None)
+        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, need, _sparse(tm, h2)) if grad else (None, None, None)
         # the per-chunk launches read these whole-batch inputs as they are: cast and made contiguous once per call
         ref = ref.to(f["dtype"]).contiguous()
         inp = p.Inputs(*(None if t is None else (t.to(f["dtype"]) if t.is_floating_point() else t).contiguous()
                          for t in inputs))
         finalize = impl.FINALIZE[p.name]
         w = impl.grpo_finalize(None, None, labels, p, inp)[2] if grpo and grad else None
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         whole = len(chunks) == 1  # a DPO / KTO chunk's finalize is then the whole batch's
         done = None  # (loss, metrics, w) of a finalize over the whole batch
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
-            impl.token_terms(z, labels, ref, p, inp, out=out, segs=LC.kernel_segs(segs), row_weight=w,
-                           grad_out=z if grpo and grad else None)
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)
+            impl.token_terms(z, labels, ref, p, inp, out=out, segs=linear.kernel_segs(segs), row_weight=w,
+                             grad_out=z if grpo and grad else None)
             if not grad:
                 continue
             if not grpo:
-                res = finalize(val, out[3], labels, p, inp, None if whole else LC.span(p.name, segs, T))
+                res = finalize(val, out[3], labels, p, inp, None if whole else linear.span(p.name, segs, T))
                 if p.name == "kto" and inp.z0 is None:  # the baseline found once, by the first chunk's launch
                     inp = inp._replace(z0=res[1][0], kl_logps=None, kl_ref_logps=None, kl_mask=None)
                 done = res if whole else None
                 impl.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
-                                segs=LC.kernel_segs(segs))
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+                                  segs=linear.kernel_segs(segs))
+            linear.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         loss, met, w = done if done is not None else finalize(val, out[3], labels, p, inp)
         ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
         ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs),
@@ -489,8 +486,9 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     given = labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    inp = GRPOInputs(L.unpack_like(advantages, tm, given, True), L.unpack_like(kl_ref_logps, tm, given), norm)
-    V.check_grpo(p, labels.shape, ref_logps, inp)
+    inp = GRPOInputs(_layout.unpack_like(advantages, tm, given, True), _layout.unpack_like(kl_ref_logps, tm, given),
+                     norm)
+    _validation.check_grpo(p, labels.shape, ref_logps, inp)
     kernels = ops.use_kernels(hidden, ref_logps, kl_ref_logps)
     loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), tm, hidden, weight, bias,
                                   labels, *_distinct(ref_logps, *inp))
@@ -511,13 +509,13 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
-    V.check_fused_dpo(p)
+    _validation.check_fused_dpo(p)
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, pairs=p.fast)
-    mixture = V.check_dpo(p, labels.shape[0], ref_logps)
-    V.check_fused_dpo(p, mixture[0])
+    mixture = _validation.check_dpo(p, labels.shape[0], ref_logps)
+    _validation.check_fused_dpo(p, mixture[0])
     if not p.fast:
-        tw = None if ld_alpha is None else O.ld_weights(labels != ignore_index, ld_alpha)
+        tw = None if ld_alpha is None else _objectives.ld_weights(labels != ignore_index, ld_alpha)
         rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, tw, tm)
         if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
             rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
@@ -542,7 +540,7 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
                                           supervised)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_kto(p, labels.shape[0], labels.device, inp)
+    _validation.check_kto(p, labels.shape[0], labels.device, inp)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
         return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm), inp)
     if losses.distributed() or kl_estimate != "halos":  # z0 known before any chunk runs (all-reduced across ranks)

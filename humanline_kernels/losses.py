@@ -22,12 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _layout as L
-from . import _objectives as O
-from . import _validation as V
+from . import _layout, _objectives, _validation
 from ._clip import DEFAULT_CLIP, clamp_band
 from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC
-from .ops.constants import MODE_GRPO
+from .ops.constants import Terms
 
 __all__ = ["dpo", "kto", "grpo", "ipo", "simpo", "slic", "sequence_logratios", "compute", "clip_log_ratio",
            "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate",
@@ -278,7 +276,7 @@ def input_grads(p, logps, ref_logps, mask, inp, g, needs):
         ref = ref_logps.detach().requires_grad_(needs[0])
         val = clip_log_ratio(logps, ref, mask, p.clip)[0]
         leaves = [ref]
-        if p.mode == MODE_GRPO:
+        if p.mode == Terms.GRPO:
             A = inp.advantages.detach().requires_grad_(needs[1])
             klr = ref if inp.kl_ref_logps is None else inp.kl_ref_logps.detach().requires_grad_(needs[2])
             val = grpo_token_terms(logps, val, klr, A, mask, beta=p.beta, epsilon_low=p.epsilon_low,
@@ -302,7 +300,7 @@ def sequence_rows(logps, ref_logps, mask, clip, token_weights=None):
     ref = torch.zeros_like(logps) if ref_logps is None else ref_logps
     clipped, n_in, n = clip_log_ratio(logps, ref, mask, clip)
     s = (clipped if token_weights is None else clipped * token_weights.to(logps.dtype)).sum(dim=1)
-    rows = O.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype))
+    rows = _objectives.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype))
     return rows, sequence_metrics(n_in, n)
 
 
@@ -315,16 +313,17 @@ def from_rows(p, rows, metrics, inp=None, mixture=None):
     """The objective ``p`` names from per-row sums (:class:`._objectives.Rows`, from any level's primitive):
     ``(loss, metrics)``. ``mixture``: DPO's checked ``(loss_types, weights)``; ``inp``: KTO's inputs."""
     if p.name == "ipo":
-        loss, m = O.ipo_from_sums(mean_sums(rows), beta=p.beta)
+        loss, m = _objectives.ipo_from_sums(mean_sums(rows), beta=p.beta)
     elif p.name == "simpo":
-        loss, m = O.simpo_from_sums(mean_sums(rows), beta=p.beta, gamma_beta_ratio=p.gamma_beta_ratio)
+        loss, m = _objectives.simpo_from_sums(mean_sums(rows), beta=p.beta, gamma_beta_ratio=p.gamma_beta_ratio)
     elif p.name == "slic":
-        loss, m = O.slic_from_sums(rows.s, rows.policy, beta=p.beta, lambda_coef=p.lambda_coef)
+        loss, m = _objectives.slic_from_sums(rows.s, rows.policy, beta=p.beta, lambda_coef=p.lambda_coef)
     elif p.name == "dpo":
         types, weights = mixture
-        loss, m = O.dpo_from_rows(rows, beta=p.beta, label_smoothing=p.label_smoothing, loss_types=types,
-                                  weights=weights, f_divergence_type=p.f_divergence_type,
-                                  f_alpha_divergence_coef=p.f_alpha_divergence_coef, discopop_tau=p.discopop_tau)
+        loss, m = _objectives.dpo_from_rows(rows, beta=p.beta, label_smoothing=p.label_smoothing, loss_types=types,
+                                            weights=weights, f_divergence_type=p.f_divergence_type,
+                                            f_alpha_divergence_coef=p.f_alpha_divergence_coef,
+                                            discopop_tau=p.discopop_tau)
     else:  # KTO apo_zero_unpaired: no baseline
         loss, m = kto_from_sums(rows.s, rows.s.new_zeros(()), inp.desirable, beta=p.beta,
                                 desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight,
@@ -337,7 +336,7 @@ def dpo_rows(logps, ref_logps, mask, clip, *, ld_alpha=None, aot=False, log_sum_
     (LD-DPO's token weights with ``ld_alpha``, returned too, else None), with ``aot`` the policy's and the
     reference's own sums (``clip`` must be None: "aot" sorts them apart), with ``log_sum_sq_probs`` WPO's detached
     pair weights ``exp(mean_t (log p - log sum_v p_v^2))``. The TRL trainer calls it too."""
-    tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha, logps.dtype)
+    tw = None if ld_alpha is None else _objectives.ld_weights(mask, ld_alpha, logps.dtype)
     rows, m = sequence_rows(logps, ref_logps, mask, clip, tw)
     if aot:
         rows = rows._replace(aot_policy=_weighted_sum(logps, mask, tw),
@@ -352,7 +351,7 @@ def dpo_rows(logps, ref_logps, mask, clip, *, ld_alpha=None, aot=False, log_sum_
 # ------------------------------------------------------------------ each loss given its checked params
 def _dpo(p, logps, ref_logps, mask, inp):
     if not p.fast:  # TRL's loss types and options: the sequence sums, then the batch math of _objectives
-        types, weights = O.mixture(p.loss_type, p.loss_weights, p.rpo_alpha)
+        types, weights = _objectives.mixture(p.loss_type, p.loss_weights, p.rpo_alpha)
         rows, m, _ = dpo_rows(logps, ref_logps, mask, p.clip, ld_alpha=p.ld_alpha, aot="aot" in types,
                               log_sum_sq_probs=inp.log_sum_sq_probs if p.use_weighting else None)
         return from_rows(p, rows, m, mixture=(types, weights))
@@ -485,10 +484,10 @@ def unpacked(packed, logps, *per_token, per_sequence=(), names=("packed", "logps
     arguments ``packed`` and ``logps`` were given as, for the messages."""
     if packed is None:
         return (logps, *per_token)
-    L.check_packed(names[1], logps, logps, None, packed, packed_name=names[0])
-    tm = L.packed_map(packed, logps.numel(), logps.device, name=names[0])
-    return (L.unpack_like(logps, tm, logps),
-            *(L.unpack_like(t, tm, logps, i in per_sequence) for i, t in enumerate(per_token)))
+    _layout.check_packed(names[1], logps, logps, None, packed, packed_name=names[0])
+    tm = _layout.packed_map(packed, logps.numel(), logps.device, name=names[0])
+    return (_layout.unpack_like(logps, tm, logps),
+            *(_layout.unpack_like(t, tm, logps, i in per_sequence) for i, t in enumerate(per_token)))
 
 
 def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):
@@ -512,8 +511,8 @@ def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False, pa
     sequence (the same at every loss of this level)."""
     logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
     p = Sequence(clip=clip, normalize=normalize)
-    V.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
-    V.check_sequence(p)
+    _validation.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
+    _validation.check_sequence(p)
     rows, metrics = sequence_rows(logps, ref_logps, mask, clip)
     return (mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
@@ -523,8 +522,8 @@ def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1, packed=None):
     :func:`humanline_kernels.reference.ipo`."""
     logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
     p = IPO(clip=clip, beta=beta)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_ipo(p, logps.shape[0])
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_ipo(p, logps.shape[0])
     return _sequence_loss(p, logps, ref_logps, mask, None)
 
 
@@ -532,8 +531,8 @@ def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, packed=Non
     """Humanline SimPO (a reference of 0); see :func:`humanline_kernels.reference.simpo`."""
     logps, _, mask = unpacked(packed, logps, None, mask)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
-    V.check_logps(logps, logps, mask)
-    V.check_simpo(p, logps.shape[0])
+    _validation.check_logps(logps, logps, mask)
+    _validation.check_simpo(p, logps.shape[0])
     return _sequence_loss(p, logps, None, mask, None)
 
 
@@ -541,8 +540,8 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1, packed=None):
     """Humanline SLiC (a reference of 0); see :func:`humanline_kernels.reference.slic`."""
     logps, _, mask = unpacked(packed, logps, None, mask)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef)
-    V.check_logps(logps, logps, mask)
-    V.check_slic(p, logps.shape[0])
+    _validation.check_logps(logps, logps, mask)
+    _validation.check_slic(p, logps.shape[0])
     return _sequence_loss(p, logps, None, mask, None)
 
 
@@ -556,8 +555,8 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting)
     inp = DPOInputs(log_sum_sq_probs)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_dpo(p, logps.shape[0], logps, inp)
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_dpo(p, logps.shape[0], logps, inp)
     return _dpo(p, logps, ref_logps, mask, inp)
 
 
@@ -572,8 +571,8 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_kto(p, logps.shape[0], logps.device, inp)
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_kto(p, logps.shape[0], logps.device, inp)
     return _kto(p, logps, ref_logps, mask, inp)
 
 
@@ -626,6 +625,6 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     inp = GRPOInputs(advantages, kl_ref_logps, norm, importance_sampling_ratio=importance_sampling_ratio,
                      tool_mask=tool_mask, sampling_per_token_logps=sampling_per_token_logps, entropies=entropies,
                      entropy_mask=entropy_mask)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_grpo_losses(p, logps, inp)
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_grpo_losses(p, logps, inp)
     return _grpo(p, logps, ref_logps, mask, inp)

@@ -100,6 +100,7 @@ def _cases():
     from humanline_kernels.ops import kernels as FK
     from humanline_kernels.ops import logprobs as LPK
     from humanline_kernels.ops import token_terms as TK
+    from humanline_kernels.ops.constants import Terms
 
     clip = HumanlineClip(-1.5, 1.5)
 
@@ -117,7 +118,7 @@ def _cases():
     def terms(shape_name, dtype, mode, use_clip, kl_ref, grad, adv_per_token=False):
         x, y, f, adv, _ = tensors(shape_name, dtype)
         c = clip if use_clip else None
-        if mode == P.MODE_GRPO:
+        if mode == Terms.GRPO:
             p = P.GRPO(clip=c, beta=0.04, temperature=0.7)
             inp = P.GRPOInputs(f if adv_per_token else adv, f if kl_ref else None)
             kw = {}
@@ -369,7 +370,7 @@ def _cases():
         return {
             "fwd": (lambda: fwd("aligned", dt, False), lambda: fwd("aligned", dt, True)),
             "terms": (lambda: terms("aligned", dt, 1, True, False, None),
-                      lambda: terms("aligned", dt, P.MODE_GRPO, True, True, "new"),
+                      lambda: terms("aligned", dt, Terms.GRPO, True, True, "new"),
                       lambda: fold("aligned", dt, "dpo", ""), lambda: fold("aligned", dt, "kto", "kl_rows"),
                       lambda: fold("aligned", dt, "grpo", "none")),
             "bwd": (lambda: bwd("aligned", dt, False), lambda: bwd("aligned", dt, True, True),
@@ -423,7 +424,7 @@ def derived_variants(launches, max_bases):
     """Every combination of each kernel's switches, derived from the kernel and its recorded launches, not from a
     list: the constexpr parameters that take booleans or small values (not the ``BLOCK_*`` sizes) and the runtime
     integers the kernel specialises that only ever carry small values (enums and flags: Triton compiles a value of
-    1 as a constant, so ``loss_type=1`` and ``loss_type=0`` are different programs). Each kernel's combinations are
+    1 as a constant, so ``aggregation=1`` and ``aggregation=0`` are different programs). Each kernel's combinations are
     applied to up to ``max_bases`` of its recorded launches with distinct pointer dtypes and integer classes.
     ``launches``: ``[(kernel, kwargs, grid, aligned)]``; returns ``[(name, kernel, kwargs, grid, aligned)]``."""
     by_kernel = {}

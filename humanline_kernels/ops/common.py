@@ -144,6 +144,15 @@ def loss_outputs(like, B, name):
     return torch.empty((), **f32), torch.empty((N_METRICS[name],), **f32), torch.empty((B,), **f32)
 
 
+def band(clip) -> dict:
+    """The clip band as a launch passes it, by name: whether the log-ratio is clamped (``clip``, the ``CLIP``
+    constexpr) and the band's ends ``log_eps_p``, ``log_eps_r`` of ``clip`` (an ``hk.HumanlineClip``; 0.0 when it
+    is None)."""
+    if clip is None:
+        return {"clip": False, "log_eps_p": 0.0, "log_eps_r": 0.0}
+    return {"clip": True, "log_eps_p": float(clip.log_eps_p), "log_eps_r": float(clip.log_eps_r)}
+
+
 def as_f32(t):
     return None if t is None else t.to(torch.float32).contiguous()
 
@@ -200,16 +209,16 @@ def exp2_ftz(x):
 
 
 @jit
-def row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Online softmax over one row: ``(lse, sum p*z)`` of ``z = x * inv_t`` (second is 0 without ENTROPY).
+def row_stats(base, V, inv_temperature, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Online softmax over one row: ``(lse, sum p*z)`` of ``z = x * inv_temperature`` (second is 0 without ENTROPY).
     ``EVICT_LAST``: the loads ask L2 to keep the row (a second sweep over it follows in the same program).
 
-    The sweep works on the raw logits ``x`` (``inv_t > 0``: the max of ``x`` is the max of ``z``) with ``1/T`` and
-    ``log2(e)`` folded into one factor ``c``: each element costs one FFMA and one ``MUFU.EX2``,
+    The sweep works on the raw logits ``x`` (``inv_temperature > 0``: the max of ``x`` is the max of ``z``) with
+    ``1/T`` and ``log2(e)`` folded into one factor ``c``: each element costs one FFMA and one ``MUFU.EX2``,
     ``exp(z - m/T) = 2^(x c - m c)``. Terms below 2^-126 are flushed to 0 (:func:`exp2_ftz`): the row's largest
     term is 1, so no fp32 sum that holds it changes."""
     cols = tl.arange(0, BLOCK_V)
-    c = inv_t * LOG2E
+    c = inv_temperature * LOG2E
     # running state per group of GROUP elements (a thread's own: no reduction across threads inside the loop): max
     # of the raw logits m, the shift k = m c (log2 units; -FLT_MAX while m is -inf) the sums are taken against, the
     # sums (each used once after the loop: triton 3.6's thread-locality pass asserts that of a loop's results)
@@ -240,9 +249,9 @@ def row_stats(base, V, inv_t, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, EVIC
     kr = tl.where(mx == -float("inf"), 0.0, mx * c)
     scale = exp2_ftz(k - kr)  # 0 for a group of -inf (k = -FLT_MAX)
     dsum = tl.sum(d * scale, 0)
-    lse = mx * inv_t + (tl.log2(dsum) - tl.where(mx == -float("inf"), 0.0, tl.fma(mx, c, -kr))) * LN2
+    lse = mx * inv_temperature + (tl.log2(dsum) - tl.where(mx == -float("inf"), 0.0, tl.fma(mx, c, -kr))) * LN2
     if ENTROPY:
-        return lse, tl.sum(s * scale, 0) * inv_t / dsum
+        return lse, tl.sum(s * scale, 0) * inv_temperature / dsum
     return lse, 0.0
 
 
@@ -273,20 +282,20 @@ def stats_step(x, m, k, d, s, c, ENTROPY: tl.constexpr):
 
 
 @jit
-def row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr, Q, T, V, inv_t, ignore_index,
-              BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, TOKEN_MAP: tl.constexpr, EVICT_LAST: tl.constexpr):
+def row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr, Q, T, V, inv_temperature, ignore_index,
+             BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr, TOKEN_MAP: tl.constexpr, EVICT_LAST: tl.constexpr):
     """Logits row ``r``, its token ``q`` (:func:`row_token`): ``(row pointer, q, label, valid, lse, sum p*z, logp)``;
     ``logp = z_y - lse``, 0 where ignored, NaN for a label outside ``[0, V)`` (only unchecked labels,
     ``validate=False``, reach the kernel so: the logit is not read, and the loss is NaN)."""
     base = row_base(x_ptr, r, T, x_sb, x_st)
-    lse, pz = row_stats(base, V, inv_t, BLOCK_V, ENTROPY, EVICT_LAST)
+    lse, pz = row_stats(base, V, inv_temperature, BLOCK_V, ENTROPY, EVICT_LAST)
     # the token and its label after the sweep: nothing but the row pointer stays live across it (the entropy
     # variant spilled under triton 3.6 with the label, and with the token map's entry, loaded first)
     q = row_token(r, n0, off0, off1, tok_ptr, Q, TOKEN_MAP)
     y = tl.load(row_base(y_ptr, q, T, y_sb, y_st))
     valid = y != ignore_index
     in_vocab = (y >= 0) & (y < V)
-    zy = tl.load(base + tl.where(valid & in_vocab, y, 0)).to(tl.float32) * inv_t
+    zy = tl.load(base + tl.where(valid & in_vocab, y, 0)).to(tl.float32) * inv_temperature
     return base, q, y, valid, lse, pz, tl.where(valid, tl.where(in_vocab, zy - lse, float("nan")), 0.0)
 
 
@@ -301,21 +310,23 @@ def clamp(x, lo, hi):
 
 @jit
 def row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, val_ptr, coef_ptr,
-           lse_ptr, aux_ptr, tok_ptr, r, N, Q, T, V, inv_t, ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0,
-           off0, off1, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr,
-           TOKEN_MAP: tl.constexpr, EVICT_LAST: tl.constexpr):
+              lse_ptr, aux_ptr, tok_ptr, r, N, Q, T, V, inv_temperature, ignore_index, log_eps_p, log_eps_r, ratio_low,
+              ratio_high, beta, n0, off0, off1, BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr,
+              HAS_KL_REF: tl.constexpr, TOKEN_MAP: tl.constexpr, EVICT_LAST: tl.constexpr):
     """The per-token terms of logits row ``r`` (:mod:`.token_terms` states them), written at its token ``q
     (:func:`row_token`); returns ``(row pointer, q, label, valid, lse, coef)`` for a gradient sweep after it.
     ``EVICT_LAST``: the softmax sweep asks L2 to keep the row (a second sweep of it follows)."""
     plane = N.to(tl.int64)  # aux's plane stride: 3 * N in int32 would wrap past ~716 M tokens
     # q: the token of the [B, T] inputs and outputs (:func:`row_token`)
-    base, q, y, valid, lse, _pz, logp = row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
-                                                  Q, T, V, inv_t, ignore_index, BLOCK_V, False, TOKEN_MAP, EVICT_LAST)
+    base, q, y, valid, lse, _pz, logp = row_logp(
+        x_ptr=x_ptr, x_sb=x_sb, x_st=x_st, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, r=r, n0=n0, off0=off0,
+        off1=off1, tok_ptr=tok_ptr, Q=Q, T=T, V=V, inv_temperature=inv_temperature, ignore_index=ignore_index,
+        BLOCK_V=BLOCK_V, ENTROPY=False, TOKEN_MAP=TOKEN_MAP, EVICT_LAST=EVICT_LAST)
     delta = logp - tl.load(ref_ptr + q)
     if CLIP:
-        dh = clamp(delta, clip_lo, clip_hi)
-        inside = valid & (delta > clip_lo) & (delta < clip_hi)
-        dpass = (delta >= clip_lo) & (delta <= clip_hi)
+        dh = clamp(delta, log_eps_p, log_eps_r)
+        inside = valid & (delta > log_eps_p) & (delta < log_eps_r)
+        dpass = (delta >= log_eps_p) & (delta <= log_eps_r)
     else:
         dh = delta
         inside = valid
@@ -332,7 +343,7 @@ def row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr,
         a = tl.load(row_base(adv_ptr, q, T, adv_sb, adv_st)).to(tl.float32)
         rho = tl.exp(dh)
         a1 = a * rho
-        a2 = a * clamp(rho, rho_lo, rho_hi)
+        a2 = a * clamp(rho, ratio_low, ratio_high)
         u = -tl.minimum(a1, a2, propagate_nan=tl.PropagateNan.ALL)
         du = tl.where((a1 <= a2) & dpass, -a1, 0.0)
         if HAS_KL_REF:
@@ -345,8 +356,8 @@ def row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr,
         # beta == 0 must not turn an infinite k3 into NaN (the reference drops the term then)
         val = tl.where(valid, tl.where(beta != 0.0, u + beta * k3, u), 0.0)
         coef = tl.where(valid, tl.where(beta != 0.0, du + beta * (1.0 - ex), du), 0.0)
-        tl.store(aux_ptr + plane + q, (valid & (rho < rho_lo) & (a < 0)).to(tl.float32))
-        tl.store(aux_ptr + 2 * plane + q, (valid & (rho > rho_hi) & (a > 0)).to(tl.float32))
+        tl.store(aux_ptr + plane + q, (valid & (rho < ratio_low) & (a < 0)).to(tl.float32))
+        tl.store(aux_ptr + 2 * plane + q, (valid & (rho > ratio_high) & (a > 0)).to(tl.float32))
         tl.store(aux_ptr + 3 * plane + q, k3)
         tl.store(aux_ptr + 4 * plane + q, logp)
     tl.store(val_ptr + q, val)
@@ -356,22 +367,24 @@ def row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr,
 
 
 @jit
-def grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, g, inv_t, BLOCK_V: tl.constexpr,
-              STREAM: tl.constexpr, ROW_WEIGHT: tl.constexpr):
+def grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, g, inv_temperature, BLOCK_V: tl.constexpr,
+             STREAM: tl.constexpr, ROW_WEIGHT: tl.constexpr):
     """GRPO's gradient of logits row ``r`` (token ``q``): ``g (onehot - p) / T``, times ``w[b]`` with
     ``ROW_WEIGHT``; zeros where ignored (``STREAM``: see :func:`row_grad_store`)."""
     out_base = row_base(g_ptr, r, T, g_sb, g_st)
     if valid:
         if ROW_WEIGHT:
             g = g * tl.load(w_ptr + split_token(q, T)[0])
-        row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V, STREAM)
+        row_grad_store(
+            base=base, out_base=out_base, V=V, y=y, lse=lse, g=g, inv_temperature=inv_temperature,
+            BLOCK_V=BLOCK_V, STREAM=STREAM)
     else:
         row_zero(out_base, V, BLOCK_V, STREAM)
 
 
 @jit
-def row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr, STREAM: tl.constexpr):
-    """Write ``g * (onehot(y) - exp(z - lse)) * inv_t`` for one row into ``out_base`` (may equal ``base``).
+def row_grad_store(base, out_base, V, y, lse, g, inv_temperature, BLOCK_V: tl.constexpr, STREAM: tl.constexpr):
+    """Write ``g * (onehot(y) - exp(z - lse)) * inv_temperature`` for one row into ``out_base`` (may equal ``base``).
 
     ``p = 2^((x / T - lse) log2(e))``: an FFMA (``x / T - lse`` rounded once) and a multiply before the ``exp2``,
     which keeps its denormal results here (a gradient entry is not a term of a sum that holds a 1); the one-hot
@@ -380,7 +393,7 @@ def row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr, S
     ``STREAM``: the row is read for the last time (``evict_first``) and the gradient is written with streaming
     stores (``.cs``), so that neither displaces the rows that other programs still have to read from L2."""
     cols = tl.arange(0, BLOCK_V)
-    gs = g * inv_t
+    gs = g * inv_temperature
     y32 = tl.where((y >= 0) & (y < V), y, -1).to(tl.int32)
     full = V - V % BLOCK_V
     for v0 in range(0, full, BLOCK_V):
@@ -388,7 +401,7 @@ def row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr, S
             x = tl.load(base + v0 + cols, eviction_policy="evict_first").to(tl.float32)
         else:
             x = tl.load(base + v0 + cols).to(tl.float32)
-        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
+        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_temperature, -lse) * LOG2E), tl.where(cols == y32 - v0, gs, 0.0))
         if STREAM:
             tl.store(out_base + v0 + cols, dz.to(out_base.dtype.element_ty), cache_modifier=".cs")
         else:
@@ -399,7 +412,7 @@ def row_grad_store(base, out_base, V, y, lse, g, inv_t, BLOCK_V: tl.constexpr, S
             x = tl.load(base + col, mask=col < V, other=0.0, eviction_policy="evict_first").to(tl.float32)
         else:
             x = tl.load(base + col, mask=col < V, other=0.0).to(tl.float32)
-        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_t, -lse) * LOG2E), tl.where(col == y32, gs, 0.0))
+        dz = tl.fma(-gs, tl.exp2(tl.fma(x, inv_temperature, -lse) * LOG2E), tl.where(col == y32, gs, 0.0))
         if STREAM:
             tl.store(out_base + col, dz.to(out_base.dtype.element_ty), mask=col < V, cache_modifier=".cs")
         else:
@@ -435,7 +448,7 @@ def tile_mask(y_ptr, y_sb, y_st, rows, t, inb, ignore_index):
 
 @jit
 def row_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, rows, rmask, T, ignore_index, BLOCK_B: tl.constexpr,
-              BLOCK_T: tl.constexpr, PARTIAL: tl.constexpr):
+             BLOCK_T: tl.constexpr, PARTIAL: tl.constexpr):
     """Per-row ``(sum m*val, sum m*inside, sum m)`` of the rows ``rows`` (fp32 vectors). With ``PARTIAL`` the three
     are sums of partial sums: ``val_ptr``, ``aux_ptr`` and ``y_ptr`` are planes ``[B, T]`` of per-tile sums (``T``
     tiles a row; :mod:`.fold`), read past L1 (``.cg``: other programs wrote them during this launch)."""

@@ -57,7 +57,7 @@ def arrive(ctr_ptr, slot, count):
 
 @jit
 def tile_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, part_ptr, b, j, T, plane, n_tiles, ignore_index,
-               AUX: tl.constexpr, TILE: tl.constexpr):
+              AUX: tl.constexpr, TILE: tl.constexpr):
     """Partial sums of the tile ``(b, j)`` (tokens ``t`` in ``[j TILE, (j + 1) TILE)`` of row ``b``) in index order,
     into ``part`` (planes ``n_tiles`` apart): ``sum m val``, ``sum m aux[k]`` for the ``AUX`` first aux planes,
     ``sum m``."""
@@ -76,7 +76,7 @@ def tile_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, part_ptr, b, j, T, plane, n_t
 
 @jit
 def row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, plane, n_tiles, ignore_index,
-              AUX: tl.constexpr, TILE: tl.constexpr):
+             AUX: tl.constexpr, TILE: tl.constexpr):
     """Token ``q``'s program is done with its stores: count it in on its tile; the tile's last program sums the tile
     and counts the tile in. True for the launch's last tile (its program runs the loss's tail)."""
     b, t = split_token(q, T)
@@ -84,22 +84,28 @@ def row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, plane
     n_tiles_row = tl.cdiv(T, TILE)
     last = False
     if arrive(ctr_ptr, b * n_tiles_row + j, tl.minimum(T - j * TILE, TILE)):
-        tile_sums(val_ptr, aux_ptr, y_ptr, y_sb, y_st, part_ptr, b, j, T, plane, n_tiles, ignore_index, AUX, TILE)
+        tile_sums(
+            val_ptr=val_ptr, aux_ptr=aux_ptr, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, part_ptr=part_ptr, b=b, j=j,
+            T=T, plane=plane, n_tiles=n_tiles, ignore_index=ignore_index, AUX=AUX, TILE=TILE)
         last = arrive(ctr_ptr, n_tiles, n_tiles)
     return last
 
 
 @jit
-def ratio_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
-               q, N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
-               CLIP: tl.constexpr):
+def ratio_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr, q,
+              N, T, V, n_tiles, inv_temperature, ignore_index, log_eps_p, log_eps_r, BLOCK_V: tl.constexpr,
+              TILE: tl.constexpr, CLIP: tl.constexpr):
     """One DPO / KTO token row: the clipped log-ratio terms (:func:`.common.row_terms`, MODE 1) and the
     fold; True if this program counted the launch's last tile."""
-    row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, ref_ptr, ref_ptr, 0, 0, val_ptr, coef_ptr, lse_ptr,
-              aux_ptr, y_ptr, q, N, N, T, V, inv_t, ignore_index, clip_lo, clip_hi, 0.0, 0.0, 0.0, N, 0, 0, BLOCK_V, 1,
-              CLIP, False, False, False)
-    return row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, N.to(tl.int64), n_tiles,
-                     ignore_index, 1, TILE)
+    row_terms(
+        x_ptr=x_ptr, x_sb=x_sb, x_st=x_st, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, ref_ptr=ref_ptr,
+        klref_ptr=ref_ptr, adv_ptr=ref_ptr, adv_sb=0, adv_st=0, val_ptr=val_ptr, coef_ptr=coef_ptr, lse_ptr=lse_ptr,
+        aux_ptr=aux_ptr, tok_ptr=y_ptr, r=q, N=N, Q=N, T=T, V=V, inv_temperature=inv_temperature,
+        ignore_index=ignore_index, log_eps_p=log_eps_p, log_eps_r=log_eps_r, ratio_low=0.0, ratio_high=0.0, beta=0.0,
+        n0=N, off0=0, off1=0, BLOCK_V=BLOCK_V, MODE=1, CLIP=CLIP, HAS_KL_REF=False, TOKEN_MAP=False, EVICT_LAST=False)
+    return row_done(
+        val_ptr=val_ptr, aux_ptr=aux_ptr, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, ctr_ptr=ctr_ptr,
+        part_ptr=part_ptr, q=q, T=T, plane=N.to(tl.int64), n_tiles=n_tiles, ignore_index=ignore_index, AUX=1, TILE=TILE)
 
 
 # ------------------------------------------------------------------ workspace, launch shapes, register budget (host)

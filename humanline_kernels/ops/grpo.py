@@ -28,6 +28,7 @@ from . import tuning
 from ._jit import COMPILED_DEVICES, custom_op, jit, launcher
 from .common import (
     as_f32,
+    band,
     device_guard,
     frac,
     grad_row,
@@ -42,26 +43,46 @@ from .common import (
     tile_offsets,
     tiles,
 )
+from .constants import Aggregation, GradInForward, Normalizer
 from .fold import fold_config, planes, reset_counters_if_interpreted, row_done, row_register_budget, workspace
+
+# the modes as the kernels compare them (a global a kernel reads is a constexpr)
+AGG_TOKENS = tl.constexpr(int(Aggregation.TOKENS))
+AGG_ROWS = tl.constexpr(int(Aggregation.ROWS))
+NORM_NUMBER = tl.constexpr(int(Normalizer.NUMBER))
+NORM_TENSOR = tl.constexpr(int(Normalizer.TENSOR))
+GRAD_NONE = tl.constexpr(int(GradInForward.NONE))
+GRAD_ROW_WEIGHTS = tl.constexpr(int(GradInForward.ROW_WEIGHTS))
+GRAD_SHARED_WEIGHT = tl.constexpr(int(GradInForward.SHARED_WEIGHT))
+# GRPO's gradient in the forward runs on a persistent grid of GIF_PROGRAMS_PER_SM programs an SM of GIF_WARPS warps
+# (one program fills an SM's threads), each thread GIF_BYTES_PER_THREAD bytes of a row a trip: the rows in flight
+# stay in L2 for the gradient's second sweep, and the 128 registers a thread has at 512 threads an SM hold it. (The
+# tuned table's "gif" family overrides the block and warps on a tuned card.)
+GIF_PROGRAMS_PER_SM = 1
+GIF_WARPS = 16
+GIF_BYTES_PER_THREAD = 32
 
 
 # ------------------------------------------------------------------ device functions and kernels
 @jit(do_not_specialize=["B", "T", "N"])
 def _grpo_finalize_kernel(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N,
-                          ignore_index, loss_type, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr,
+                          ignore_index, aggregation, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr,
                           BLOCK_T: tl.constexpr, TERMS: tl.constexpr):
     """:func:`_grpo_tail` as a launch of its own (one program): a packed batch's, the gradient-in-forward's
     weights (without ``TERMS``) and the fused-linear chunks'."""
-    _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N, ignore_index,
-               loss_type, norm_kind, norm_value, dr_scale, BLOCK_B, BLOCK_T, TERMS, False)
+    _grpo_tail(
+        val_ptr=val_ptr, aux_ptr=aux_ptr, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, norm_ptr=norm_ptr,
+        loss_ptr=loss_ptr, met_ptr=met_ptr, w_ptr=w_ptr, B=B, T=T, N=N, ignore_index=ignore_index,
+        aggregation=aggregation, norm_kind=norm_kind, norm_value=norm_value, dr_scale=dr_scale, BLOCK_B=BLOCK_B,
+        BLOCK_T=BLOCK_T, TERMS=TERMS, PARTIAL=False)
 
 
 @jit
 def _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr, w_ptr, B, T, N, ignore_index,
-               loss_type, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+               aggregation, norm_kind, norm_value, dr_scale, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
                TERMS: tl.constexpr, PARTIAL: tl.constexpr):
     """GRPO aggregation of ``val = m L`` (``n = sum m``, ``n_b = sum_t m``, ``E = #{b : n_b > 0}``):
-    ``loss_type`` 0 (dapo/bnpo) ``sum val / den`` with ``den = max(n, 1)``, ``norm_value`` (``norm_kind`` 1) or
+    ``aggregation`` 0 (dapo/bnpo) ``sum val / den`` with ``den = max(n, 1)``, ``norm_value`` (``norm_kind`` 1) or
     ``*norm_ptr`` (2); 1 (grpo) ``sum_b (sum_t val / max(n_b, 1)) / max(E, 1)``; 2 (dr_grpo)
     ``sum val * dr_scale`` (``1 / (B * max_completion_length)``). ``w_b``: ``1 / den``,
     ``1 / (max(n_b, 1) max(E, 1))``, ``dr_scale``. Metrics over ``max(n, 1)``: ``unclipped_frac``, ``kl`` (sum k3),
@@ -110,16 +131,16 @@ def _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr,
     n_tok = tl.sum(acc_n, 0)
     rows = tl.maximum(tl.sum(acc_rows, 0), 1.0)
     den = tl.maximum(n_tok, 1.0)
-    if norm_kind == 1:
+    if norm_kind == NORM_NUMBER:
         den = norm_value
-    if norm_kind == 2:
+    if norm_kind == NORM_TENSOR:
         den = tl.load(norm_ptr).to(tl.float32)
     if TERMS:
         total = tl.sum(acc_sum, 0)
         loss = total * dr_scale
-        if loss_type == 0:
+        if aggregation == AGG_TOKENS:
             loss = total / den
-        if loss_type == 1:
+        if aggregation == AGG_ROWS:
             loss = tl.sum(acc_mean, 0) / rows
         tl.store(loss_ptr, loss)
         n1 = tl.maximum(n_tok, 1.0)
@@ -137,7 +158,7 @@ def _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr,
         b = b0 + tl.arange(0, BLOCK_B)
         bm = b < B
         n = tl.zeros([BLOCK_B], dtype=tl.float32)
-        if loss_type == 1:
+        if aggregation == AGG_ROWS:
             for t0 in range(0, T, BLOCK_T):
                 off, t = tile_offsets(b, T, t0, BLOCK_T)
                 inb = bm[:, None] & (t < T)[None, :]
@@ -146,23 +167,23 @@ def _grpo_tail(val_ptr, aux_ptr, y_ptr, y_sb, y_st, norm_ptr, loss_ptr, met_ptr,
                 else:
                     n += tl.sum(tile_mask(y_ptr, y_sb, y_st, b, t, inb, ignore_index).to(tl.float32), 1)
         w = tl.zeros([BLOCK_B], dtype=tl.float32) + dr_scale
-        if loss_type == 0:
+        if aggregation == AGG_TOKENS:
             w = tl.zeros([BLOCK_B], dtype=tl.float32) + 1.0 / den
-        if loss_type == 1:
+        if aggregation == AGG_ROWS:
             w = 1.0 / (tl.maximum(n, 1.0) * rows)
         tl.store(w_ptr + b, w, mask=bm)
 
 
 @jit
-def _shared_weight(y_ptr, y_sb, y_st, norm_ptr, B, T, ignore_index, loss_type, norm_kind, norm_value, dr_scale,
+def _shared_weight(y_ptr, y_sb, y_st, norm_ptr, B, T, ignore_index, aggregation, norm_kind, norm_value, dr_scale,
                    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The row weight every row shares when ``loss_type`` is not "grpo" (as :func:`_grpo_tail` writes it):
+    """The row weight every row shares when ``aggregation`` is not "grpo" (as :func:`_grpo_tail` writes it):
     ``dr_scale`` (dr_grpo), ``1 / normalizer``, or ``1 / max(sum m, 1)`` over every label (dapo / bnpo)."""
     w = dr_scale
-    if loss_type == 0:
-        if norm_kind == 1:
+    if aggregation == AGG_TOKENS:
+        if norm_kind == NORM_NUMBER:
             w = 1.0 / norm_value
-        elif norm_kind == 2:
+        elif norm_kind == NORM_TENSOR:
             w = 1.0 / tl.load(norm_ptr).to(tl.float32)
         else:
             n = 0.0  # a scalar a trip (a vector carried through both loops crashed triton 3.6's thread-locality pass)
@@ -178,172 +199,80 @@ def _shared_weight(y_ptr, y_sb, y_st, norm_ptr, B, T, ignore_index, loss_type, n
 
 @jit
 def _grpo_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, wg_ptr, wg, g_ptr,
-              g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr, q, N, T, V, n_tiles, inv_t,
-              ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
-              CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
+              g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr, q, N, T, V, n_tiles, inv_temperature,
+              ignore_index, log_eps_p, log_eps_r, ratio_low, ratio_high, beta, BLOCK_V: tl.constexpr,
+              TILE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
     """One GRPO token row: terms (on the persistent grid the softmax sweep keeps the row in L2), the gradient
     (``GRAD``, see :func:`_grpo_loss_kernel`) and the fold; True if this program counted the launch's last tile."""
     plane = N.to(tl.int64)
-    base, q, y, valid, lse, coef = row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb,
-                                          adv_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, y_ptr, q, N, N, T, V, inv_t,
-                                          ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, N, 0, 0, BLOCK_V,
-                                          2, CLIP, HAS_KL_REF, False, GRAD >= 2)
-    if GRAD != 0:
-        grad_row(base, g_ptr, g_sb, g_st, wg_ptr, q, q, T, V, y, valid, lse, coef * wg, inv_t, BLOCK_V, GRAD >= 2,
-                  GRAD != 3)
-    return row_done(val_ptr, aux_ptr, y_ptr, y_sb, y_st, ctr_ptr, part_ptr, q, T, plane, n_tiles, ignore_index, 4,
-                     TILE)
+    base, q, y, valid, lse, coef = row_terms(
+        x_ptr=x_ptr, x_sb=x_sb, x_st=x_st, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, ref_ptr=ref_ptr,
+        klref_ptr=klref_ptr, adv_ptr=adv_ptr, adv_sb=adv_sb, adv_st=adv_st, val_ptr=val_ptr, coef_ptr=coef_ptr,
+        lse_ptr=lse_ptr, aux_ptr=aux_ptr, tok_ptr=y_ptr, r=q, N=N, Q=N, T=T, V=V, inv_temperature=inv_temperature,
+        ignore_index=ignore_index, log_eps_p=log_eps_p, log_eps_r=log_eps_r, ratio_low=ratio_low, ratio_high=ratio_high,
+        beta=beta, n0=N, off0=0, off1=0, BLOCK_V=BLOCK_V, MODE=2, CLIP=CLIP, HAS_KL_REF=HAS_KL_REF, TOKEN_MAP=False,
+        EVICT_LAST=GRAD != GRAD_NONE)
+    if GRAD != GRAD_NONE:
+        grad_row(
+            base=base, g_ptr=g_ptr, g_sb=g_sb, g_st=g_st, w_ptr=wg_ptr, r=q, q=q, T=T, V=V, y=y, valid=valid,
+            lse=lse, g=coef * wg, inv_temperature=inv_temperature, BLOCK_V=BLOCK_V, STREAM=True,
+            ROW_WEIGHT=GRAD == GRAD_ROW_WEIGHTS)
+    return row_done(
+        val_ptr=val_ptr, aux_ptr=aux_ptr, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, ctr_ptr=ctr_ptr,
+        part_ptr=part_ptr, q=q, T=T, plane=plane, n_tiles=n_tiles, ignore_index=ignore_index, AUX=4, TILE=TILE)
 
 
-@jit(do_not_specialize=["N", "B", "n_tiles", "adv_sb", "adv_st", "loss_type", "norm_kind"])
-def _grpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, wg_ptr,
-                      g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr, norm_ptr, loss_ptr,
-                      met_ptr, w_ptr, N, B, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, rho_lo, rho_hi,
-                      beta, loss_type, norm_kind, norm_value, dr_scale, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
-                      BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr,
-                      GRAD: tl.constexpr):
+@jit(do_not_specialize=["N", "B", "n_tiles", "adv_sb", "adv_st", "aggregation", "norm_kind"])
+def _grpo_loss_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, wg_ptr, g_ptr,
+                      g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr, norm_ptr, loss_ptr, met_ptr,
+                      w_ptr, N, B, T, V, n_tiles, inv_temperature, ignore_index, log_eps_p, log_eps_r, ratio_low,
+                      ratio_high, beta, aggregation, norm_kind, norm_value, dr_scale, BLOCK_V: tl.constexpr,
+                      TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, CLIP: tl.constexpr,
+                      HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr):
     """GRPO: the row terms (MODE 2), the fold, and :func:`_grpo_tail` in the last program (after its rows:
     nothing of the tail is live in the row loop). ``GRAD`` (the gradient in the forward): 0 none; 2 the persistent
     grid (rows ``pid, pid + P, ...``), each row scaled by ``w[b]`` (``wg_ptr``); 3 the persistent grid with the
     weight every row shares, found by each program first (:func:`_shared_weight`)."""
     wg = 1.0  # the shared row weight (ROW_WEIGHTS: read per row, w[b], from wg_ptr)
-    if GRAD == 3:
-        wg = _shared_weight(y_ptr, y_sb, y_st, norm_ptr, B, T, ignore_index, loss_type, norm_kind, norm_value,
-                            dr_scale, BLOCK_B, BLOCK_T)
+    if GRAD == GRAD_SHARED_WEIGHT:
+        wg = _shared_weight(
+            y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, norm_ptr=norm_ptr, B=B, T=T, ignore_index=ignore_index,
+            aggregation=aggregation, norm_kind=norm_kind, norm_value=norm_value, dr_scale=dr_scale, BLOCK_B=BLOCK_B,
+            BLOCK_T=BLOCK_T)
     last = False
-    if GRAD >= 2:
+    if GRAD != GRAD_NONE:
         for r in range(tl.program_id(0), N, tl.num_programs(0)):
-            last |= _grpo_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st,
-                              wg_ptr, wg, g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
-                              tl.cast(r, tl.int64), N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi, rho_lo,
-                              rho_hi, beta, BLOCK_V, TILE, CLIP, HAS_KL_REF, GRAD)
+            last |= _grpo_row(
+                x_ptr=x_ptr, x_sb=x_sb, x_st=x_st, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, ref_ptr=ref_ptr,
+                klref_ptr=klref_ptr, adv_ptr=adv_ptr, adv_sb=adv_sb, adv_st=adv_st, wg_ptr=wg_ptr, wg=wg, g_ptr=g_ptr,
+                g_sb=g_sb, g_st=g_st, val_ptr=val_ptr, coef_ptr=coef_ptr, lse_ptr=lse_ptr, aux_ptr=aux_ptr,
+                ctr_ptr=ctr_ptr, part_ptr=part_ptr, q=tl.cast(r, tl.int64), N=N, T=T, V=V, n_tiles=n_tiles,
+                inv_temperature=inv_temperature, ignore_index=ignore_index, log_eps_p=log_eps_p, log_eps_r=log_eps_r,
+                ratio_low=ratio_low, ratio_high=ratio_high, beta=beta, BLOCK_V=BLOCK_V, TILE=TILE, CLIP=CLIP,
+                HAS_KL_REF=HAS_KL_REF, GRAD=GRAD)
     else:
-        last = _grpo_row(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, wg_ptr,
-                         wg, g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, ctr_ptr, part_ptr,
-                         tl.program_id(0).to(tl.int64), N, T, V, n_tiles, inv_t, ignore_index, clip_lo, clip_hi,
-                         rho_lo, rho_hi, beta, BLOCK_V, TILE, CLIP, HAS_KL_REF, GRAD)
+        last = _grpo_row(
+            x_ptr=x_ptr, x_sb=x_sb, x_st=x_st, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, ref_ptr=ref_ptr,
+            klref_ptr=klref_ptr, adv_ptr=adv_ptr, adv_sb=adv_sb, adv_st=adv_st, wg_ptr=wg_ptr, wg=wg, g_ptr=g_ptr,
+            g_sb=g_sb, g_st=g_st, val_ptr=val_ptr, coef_ptr=coef_ptr, lse_ptr=lse_ptr, aux_ptr=aux_ptr, ctr_ptr=ctr_ptr,
+            part_ptr=part_ptr, q=tl.program_id(0).to(tl.int64), N=N, T=T, V=V, n_tiles=n_tiles,
+            inv_temperature=inv_temperature, ignore_index=ignore_index, log_eps_p=log_eps_p, log_eps_r=log_eps_r,
+            ratio_low=ratio_low, ratio_high=ratio_high, beta=beta, BLOCK_V=BLOCK_V, TILE=TILE, CLIP=CLIP,
+            HAS_KL_REF=HAS_KL_REF, GRAD=GRAD)
     if last:
         nt = n_tiles.to(tl.int64)
-        _grpo_tail(part_ptr, part_ptr + nt, part_ptr + 5 * nt, 0, 0, norm_ptr, loss_ptr, met_ptr, w_ptr, B,
-                   tl.cdiv(T, TILE), nt, ignore_index, loss_type, norm_kind, norm_value, dr_scale, BLOCK_B, BLOCK_T,
-                   True, True)
+        _grpo_tail(
+            val_ptr=part_ptr, aux_ptr=part_ptr + nt, y_ptr=part_ptr + 5 * nt, y_sb=0, y_st=0,
+            norm_ptr=norm_ptr, loss_ptr=loss_ptr, met_ptr=met_ptr, w_ptr=w_ptr, B=B, T=tl.cdiv(T, TILE), N=nt,
+            ignore_index=ignore_index, aggregation=aggregation, norm_kind=norm_kind, norm_value=norm_value,
+            dr_scale=dr_scale, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, TERMS=True, PARTIAL=True)
 
 
-# ------------------------------------------------------------------ launchers (torch.library ops) and their callers
-@custom_op("grpo_finalize_out", mutates_args=("loss", "met", "w"))
-def _grpo_finalize_out(val: Optional[Tensor], aux: Optional[Tensor], labels: Tensor, norm: Optional[Tensor],
-                       loss: Tensor, met: Tensor, w: Tensor, aggregation: int, norm_value: float, length: int,
-                       ignore_index: int) -> None:
-    B, T = labels.shape
-    terms = val is not None
-    norm_kind = 2 if norm is not None else int(norm_value > 0)  # a tensor, a number (> 0 when given) or the count
-    length = length or T
-    # 256-element tiles: at 512, triton 3.6 spilled 4 bytes for sm_90 in the token-mean variant with terms
-    bb, bt, warps = tiles(labels, 64, rows=B)
-    with device_guard(labels):
-        launcher(_grpo_finalize_kernel, labels)[(1,)](
-            # data (absent ones point at w: no new variant)
-            val_ptr=val if terms else w, aux_ptr=aux if terms else w, y_ptr=labels,
-            norm_ptr=w if norm is None else norm, loss_ptr=loss, met_ptr=met, w_ptr=w,
-            # strides
-            y_sb=labels.stride(0), y_st=labels.stride(1),
-            # sizes and scalars
-            B=B, T=T, N=B * T, ignore_index=ignore_index, loss_type=aggregation, norm_kind=norm_kind,
-            norm_value=norm_value, dr_scale=1.0 / (B * length) if B * length else 0.0,
-            # constants
-            BLOCK_B=bb, BLOCK_T=bt, TERMS=terms, num_warps=warps)
-
-
-def grpo_finalize(val, aux, labels, p, inp, span=None):
-    """``(loss, metrics [4], w [B])`` of GRPO; with ``val=None`` only ``w`` (from the labels), loss and metrics 0.
-    The weights do not depend on the terms, so a fused-linear chunk needs no ``span`` (accepted and unused)."""
-    B = labels.shape[0]
-    loss, met, w = loss_outputs(labels, B, "grpo")
-    norm = None if inp.normalizer is None else inp.normalizer.reshape(1).to(torch.float32)
-    terms = val is not None
-    _grpo_finalize_out(val.contiguous() if terms else None, aux.contiguous() if terms else None, labels, norm, loss,
-                       met, w, p.aggregation, 0.0 if p.normalizer is None else float(p.normalizer),
-                       p.max_completion_length or 0, p.ignore_index)
-    return loss, met, w
-
-
-# GRPO's gradient in the forward runs on a persistent grid of GIF_PROGRAMS_PER_SM programs an SM of GIF_WARPS warps
-# (one program fills an SM's threads), each thread GIF_BYTES_PER_THREAD bytes of a row a trip: the rows in flight
-# stay in L2 for the gradient's second sweep, and the 128 registers a thread has at 512 threads an SM hold it.
-GIF_PROGRAMS_PER_SM = 1
-
-
-GIF_WARPS = 16
-
-
-GIF_BYTES_PER_THREAD = 32
-
-
-def _sm_count(device: torch.device) -> int:
-    """SMs of ``device``: a GPU's own; 132 (sm_90's) for ``meta`` (the compile gate); 3 in the interpreter, so that
-    each program of a small test walks several rows."""
-    if device.type == "cuda":
-        return _cuda_sm_count(device)
-    return 132 if device.type in COMPILED_DEVICES else 3
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _grpo_loss_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[Tensor], adv: Tensor,
-                 wg: Optional[Tensor], grad: Optional[Tensor], grad_inplace: bool, norm: Optional[Tensor], val: Tensor,
-                 coef: Tensor, lse: Tensor, aux: Tensor, loss: Tensor, met: Tensor, w: Tensor, clip_on: bool,
-                 clip_lo: float, clip_hi: float, rho_lo: float, rho_hi: float, beta: float, inv_t: float,
-                 ignore_index: int, aggregation: int, norm_value: float, length: int) -> None:
-    B, T = labels.shape
-    rows, x_sb, x_st = logits_rows(logits, T)
-    g = logits if grad_inplace or grad is None else grad
-    _, g_sb, g_st = logits_rows(g, T)
-    gif = grad_inplace or grad is not None
-    mode = (3 if wg is None else 2) if gif else 0  # the gradient in the forward: on the persistent grid
-    block, warps = grpo_config(logits, mode)
-    tile, bb, bt = fold_config(logits, B, warps)
-    n_tiles, part, ctr = workspace(logits, B, T, tile, 6)
-    length = length or T
-    grid = (min(rows, _sm_count(logits.device) * GIF_PROGRAMS_PER_SM),) if gif else (rows,)
-    try:
-        with device_guard(logits):
-            launcher(_grpo_loss_kernel, logits)[grid](
-                # data (unused pointers get ref: no variant of their own)
-                x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if klref is None else klref, adv_ptr=adv,
-                wg_ptr=ref if wg is None else wg, g_ptr=g, val_ptr=val, coef_ptr=coef, lse_ptr=lse, aux_ptr=aux,
-                ctr_ptr=ctr, part_ptr=part, norm_ptr=w if norm is None else norm, loss_ptr=loss, met_ptr=met, w_ptr=w,
-                # strides (advantages [B] have a zero token stride)
-                x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), adv_sb=adv.stride(0),
-                adv_st=adv.stride(1) if adv.dim() == 2 else 0, g_sb=g_sb, g_st=g_st,
-                # sizes and scalars
-                N=rows, B=B, T=T, V=logits.shape[-1], n_tiles=n_tiles, inv_t=inv_t, ignore_index=ignore_index,
-                clip_lo=clip_lo, clip_hi=clip_hi, rho_lo=rho_lo, rho_hi=rho_hi, beta=beta, loss_type=aggregation,
-                norm_kind=2 if norm is not None else int(norm_value > 0), norm_value=norm_value,
-                dr_scale=1.0 / (B * length) if B * length else 0.0,
-                # constants
-                BLOCK_V=block, TILE=tile, BLOCK_B=bb, BLOCK_T=bt, CLIP=clip_on, HAS_KL_REF=klref is not None, GRAD=mode,
-                num_warps=warps, **grpo_register_budget(logits, warps, mode))
-    except BaseException:  # an interpreted launch may stop half way: its counters are not zero
-        reset_counters_if_interpreted(logits)
-        raise
-
-
-# one launcher, two ops: the gradient (if any) into a buffer of its own or over the logits
-_grpo_loss_out = custom_op("grpo_loss_out", mutates_args=("grad", "val", "coef", "lse", "aux", "loss", "met", "w"))(
-    _grpo_loss_launch)
-
-
-_grpo_loss_inplace = custom_op("grpo_loss_inplace", mutates_args=("logits", "val", "coef", "lse", "aux", "loss", "met",
-                                                            "w"), bumps=(0,))(_grpo_loss_launch)
-
-
+# ------------------------------------------------------------------ launch configurations
 def grpo_config(x: Tensor, grad_mode: int) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` of the folded GRPO kernel for its ``GRAD`` mode: the persistent grid's
     (:func:`gif_config`), else the forward sweep's (:func:`.common.sweep_config`)."""
-    if grad_mode >= 2:
+    if grad_mode != GradInForward.NONE:
         return gif_config(x)
     return sweep_config(x, family="terms")
 
@@ -410,6 +339,143 @@ _TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2])
 _OLD_TRITON = _TRITON < (3, 8)
 
 
+def grpo_register_budget(x: Tensor, warps: int, grad: int = GradInForward.NONE) -> dict:
+    """``maxnreg`` for the folded GRPO kernel in its ``GRAD`` mode: a program a row without a gradient sweep as every
+    folded row kernel (:func:`.fold.row_register_budget`); the persistent grid the share of its programs an SM,
+    except for sm_90 under triton < 3.8, whose ptxas fits in 128 registers by itself but spills 8-12 bytes when told
+    128 (triton 3.8's ptxas, left to itself, spills at 64 registers for T = 1). The compile gate checks every
+    variant on both version pairs and both architectures."""
+    if grad == GradInForward.NONE:
+        return row_register_budget(x, warps)
+    if _OLD_TRITON and x.device.type in COMPILED_DEVICES and _arch(x.device) >= 90:
+        return {}
+    return register_budget(x, warps, max(GIF_PROGRAMS_PER_SM, 1))
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of ``device``: a GPU's own; 132 (sm_90's) for ``meta`` (the compile gate); 3 in the interpreter, so that
+    each program of a small test walks several rows."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device)
+    return 132 if device.type in COMPILED_DEVICES else 3
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ------------------------------------------------------------------ launchers (torch.library ops) and their callers
+@custom_op("grpo_finalize_out", mutates_args=("loss", "met", "w"))
+def _grpo_finalize_out(val: Optional[Tensor], aux: Optional[Tensor], labels: Tensor, normalizer: Optional[Tensor],
+                       loss: Tensor, met: Tensor, w: Tensor, aggregation: int, norm_value: float, length: int,
+                       ignore_index: int) -> None:
+    B, T = labels.shape
+    terms = val is not None
+    length = length or T
+    # 256-element tiles: at 512, triton 3.6 spilled 4 bytes for sm_90 in the token-mean variant with terms
+    bb, bt, warps = tiles(labels, 64, rows=B)
+    with device_guard(labels):
+        launcher(_grpo_finalize_kernel, labels)[(1,)](
+            # data (absent ones point at w: no new variant)
+            val_ptr=val if terms else w, aux_ptr=aux if terms else w, y_ptr=labels,
+            norm_ptr=w if normalizer is None else normalizer, loss_ptr=loss, met_ptr=met, w_ptr=w,
+            # shapes
+            B=B, T=T, N=B * T,
+            # strides
+            y_sb=labels.stride(0), y_st=labels.stride(1),
+            # the loss's options
+            ignore_index=ignore_index, aggregation=aggregation,
+            norm_kind=int(_normalizer_kind(normalizer, norm_value)), norm_value=norm_value,
+            dr_scale=1.0 / (B * length) if B * length else 0.0,
+            # constants
+            BLOCK_B=bb, BLOCK_T=bt, TERMS=terms, num_warps=warps)
+
+
+def _normalizer_kind(normalizer, norm_value) -> Normalizer:
+    """What divides the tokens' sum: a tensor, a number (> 0 when given) or their count."""
+    if normalizer is not None:
+        return Normalizer.TENSOR
+    return Normalizer.NUMBER if norm_value > 0 else Normalizer.COUNT
+
+
+def _normalizer(p, inp):
+    """GRPO's normalizer as a launch passes it: a 1-element fp32 tensor (read on the device) or None, and a number
+    (0.0 when none is given)."""
+    tensor = None if inp.normalizer is None else inp.normalizer.reshape(1).to(torch.float32)
+    return tensor, 0.0 if p.normalizer is None else float(p.normalizer)
+
+
+def grpo_finalize(val, aux, labels, p, inp, span=None):
+    """``(loss, metrics [4], w [B])`` of GRPO; with ``val=None`` only ``w`` (from the labels), loss and metrics 0.
+    The weights do not depend on the terms, so a fused-linear chunk needs no ``span`` (accepted and unused)."""
+    B = labels.shape[0]
+    loss, met, w = loss_outputs(labels, B, "grpo")
+    normalizer, norm_value = _normalizer(p, inp)
+    terms = val is not None
+    _grpo_finalize_out(
+        # data
+        val=val.contiguous() if terms else None, aux=aux.contiguous() if terms else None, labels=labels,
+        normalizer=normalizer, loss=loss, met=met, w=w,
+        # the loss's options
+        aggregation=int(p.aggregation), norm_value=norm_value, length=p.max_completion_length or 0,
+        ignore_index=p.ignore_index)
+    return loss, met, w
+
+
+def _grpo_loss_launch(logits: Tensor, labels: Tensor, ref: Tensor, kl_ref: Optional[Tensor], advantages: Tensor,
+                      row_weight: Optional[Tensor], grad: Optional[Tensor], grad_inplace: bool,
+                      normalizer: Optional[Tensor], val: Tensor, coef: Tensor, lse: Tensor, aux: Tensor, loss: Tensor,
+                      met: Tensor, w: Tensor, clip: bool, log_eps_p: float, log_eps_r: float, ratio_low: float,
+                      ratio_high: float, beta: float, inv_temperature: float, ignore_index: int, aggregation: int,
+                      norm_value: float, length: int) -> None:
+    B, T = labels.shape
+    rows, x_sb, x_st = logits_rows(logits, T)
+    g = logits if grad_inplace or grad is None else grad
+    _, g_sb, g_st = logits_rows(g, T)
+    if grad_inplace or grad is not None:  # the gradient in the forward: on the persistent grid
+        mode = GradInForward.SHARED_WEIGHT if row_weight is None else GradInForward.ROW_WEIGHTS
+    else:
+        mode = GradInForward.NONE
+    block, warps = grpo_config(logits, mode)
+    tile, bb, bt = fold_config(logits, B, warps)
+    n_tiles, part, ctr = workspace(logits, B, T, tile, 6)
+    length = length or T
+    persistent = mode != GradInForward.NONE
+    grid = (min(rows, _sm_count(logits.device) * GIF_PROGRAMS_PER_SM),) if persistent else (rows,)
+    try:
+        with device_guard(logits):
+            launcher(_grpo_loss_kernel, logits)[grid](
+                # data (unused pointers get ref: no variant of their own)
+                x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if kl_ref is None else kl_ref,
+                adv_ptr=advantages, wg_ptr=ref if row_weight is None else row_weight, g_ptr=g, val_ptr=val,
+                coef_ptr=coef, lse_ptr=lse, aux_ptr=aux, ctr_ptr=ctr, part_ptr=part,
+                norm_ptr=w if normalizer is None else normalizer, loss_ptr=loss, met_ptr=met, w_ptr=w,
+                # shapes
+                N=rows, B=B, T=T, V=logits.shape[-1], n_tiles=n_tiles,
+                # strides (advantages [B] have a zero token stride)
+                x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), adv_sb=advantages.stride(0),
+                adv_st=advantages.stride(1) if advantages.dim() == 2 else 0, g_sb=g_sb, g_st=g_st,
+                # the loss's options
+                log_eps_p=log_eps_p, log_eps_r=log_eps_r, ratio_low=ratio_low, ratio_high=ratio_high, beta=beta,
+                inv_temperature=inv_temperature, ignore_index=ignore_index, aggregation=aggregation,
+                norm_kind=int(_normalizer_kind(normalizer, norm_value)), norm_value=norm_value,
+                dr_scale=1.0 / (B * length) if B * length else 0.0,
+                # constants
+                BLOCK_V=block, TILE=tile, BLOCK_B=bb, BLOCK_T=bt, CLIP=clip, HAS_KL_REF=kl_ref is not None,
+                GRAD=int(mode), num_warps=warps, **grpo_register_budget(logits, warps, mode))
+    except BaseException:  # an interpreted launch may stop half way: its counters are not zero
+        reset_counters_if_interpreted(logits)
+        raise
+
+
+# one launcher, two ops: the gradient (if any) into a buffer of its own or over the logits
+_grpo_loss_out = custom_op("grpo_loss_out", mutates_args=("grad", "val", "coef", "lse", "aux", "loss", "met", "w"))(
+    _grpo_loss_launch)
+_grpo_loss_inplace = custom_op("grpo_loss_inplace", mutates_args=("logits", "val", "coef", "lse", "aux", "loss", "met",
+                                                                  "w"), bumps=("logits",))(_grpo_loss_launch)
+
+
 def grpo_loss(logits, labels, ref_logps, p, inp, row_weight=None, grad_out=None):
     """``(val, coef, lse, aux, loss, metrics, w)`` of GRPO in one launch. With ``grad_out`` (a buffer shaped like
     ``logits``, or ``logits`` itself: in place) the gradient for ``grad_output = 1`` too, on the persistent grid,
@@ -418,24 +484,16 @@ def grpo_loss(logits, labels, ref_logps, p, inp, row_weight=None, grad_out=None)
     B, T = labels.shape
     val, coef, lse, aux = planes(B, T, 5, logits)
     loss, met, w = loss_outputs(logits, B, "grpo")
-    norm = None if inp.normalizer is None else inp.normalizer.reshape(1).to(torch.float32)
+    normalizer, norm_value = _normalizer(p, inp)
     inplace = grad_out is not None and grad_out is logits
     (_grpo_loss_inplace if inplace else _grpo_loss_out)(
-        logits, labels, as_f32(ref_logps), as_f32(inp.kl_ref_logps), inp.advantages.to(torch.float32),
-        as_f32(row_weight), None if inplace else grad_out, inplace, norm, val, coef, lse, aux, loss, met, w,
-        *p.terms[1:], p.aggregation, 0.0 if p.normalizer is None else float(p.normalizer),
-        p.max_completion_length or 0)
+        # data
+        logits=logits, labels=labels, ref=as_f32(ref_logps), kl_ref=as_f32(inp.kl_ref_logps),
+        advantages=inp.advantages.to(torch.float32), row_weight=as_f32(row_weight),
+        grad=None if inplace else grad_out, grad_inplace=inplace, normalizer=normalizer, val=val, coef=coef, lse=lse,
+        aux=aux, loss=loss, met=met, w=w,
+        # the loss's options
+        **band(p.clip), ratio_low=1.0 - float(p.epsilon_low), ratio_high=1.0 + float(p.epsilon_high),
+        beta=float(p.beta), inv_temperature=1.0 / float(p.temperature), ignore_index=p.ignore_index,
+        aggregation=int(p.aggregation), norm_value=norm_value, length=p.max_completion_length or 0)
     return val, coef, lse, aux, loss, met, w
-
-
-def grpo_register_budget(x: Tensor, warps: int, grad: int = 0) -> dict:
-    """``maxnreg`` for the folded GRPO kernel in its ``GRAD`` mode: a program a row without a gradient sweep as every
-    folded row kernel (:func:`.fold.row_register_budget`); the persistent grid (``GRAD`` >= 2) the share of its
-    programs an SM, except for sm_90 under triton < 3.8, whose ptxas fits in 128 registers by itself but spills 8-12
-    bytes when told 128 (triton 3.8's ptxas, left to itself, spills at 64 registers for T = 1). The compile gate
-    checks every variant on both version pairs and both architectures."""
-    if grad < 2:
-        return row_register_budget(x, warps)
-    if _OLD_TRITON and x.device.type in COMPILED_DEVICES and _arch(x.device) >= 90:
-        return {}
-    return register_budget(x, warps, max(GIF_PROGRAMS_PER_SM, 1))

@@ -38,15 +38,15 @@ from .common import (
 
 # ------------------------------------------------------------------ kernels
 @jit
-def _row_grad_store_entropy(base, out_base, V, y, lse, g, gh, h, inv_t, BLOCK_V: tl.constexpr):
-    """:func:`row_grad_store` plus the entropy's gradient: ``(g (onehot(y) - p) - gh p (log p + h)) * inv_t`` with
-    ``h`` the row's entropy and ``gh`` its upstream gradient (``dH/dz = -p (log p + H)``; 0 where ``p`` is 0)."""
+def _row_grad_store_entropy(base, out_base, V, y, lse, g, gh, h, inv_temperature, BLOCK_V: tl.constexpr):
+    """:func:`row_grad_store` plus the entropy's gradient: ``(g (onehot(y) - p) - gh p (log p + h)) * inv_temperature``
+    with ``h`` the row's entropy and ``gh`` its upstream gradient (``dH/dz = -p (log p + H)``; 0 where ``p`` is 0)."""
     cols = tl.arange(0, BLOCK_V)
-    gs = g * inv_t
-    ghs = gh * inv_t
+    gs = g * inv_temperature
+    ghs = gh * inv_temperature
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols
-        z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32) * inv_t
+        z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32) * inv_temperature
         logp = z - lse
         p = tl.exp(logp)
         # p == 0 (z == -inf) adds 0: log p is replaced before the product, so no 0 * -inf is formed
@@ -55,13 +55,15 @@ def _row_grad_store_entropy(base, out_base, V, y, lse, g, gh, h, inv_t, BLOCK_V:
 
 
 @jit(do_not_specialize=["Q", "n0", "off0", "off1"])
-def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, tok_ptr, Q, T, V, inv_t,
-                         ignore_index, n0, off0, off1, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr,
+def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr, ent_ptr, tok_ptr, Q, T, V,
+                         inv_temperature, ignore_index, n0, off0, off1, BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr,
                          TOKEN_MAP: tl.constexpr):
     """Logits row ``r``, token ``q`` (:func:`row_token`): ``logp``, ``lse`` (and the entropy) of token ``q``."""
     r = tl.program_id(0)
-    _base, q, _y, valid, lse, pz, logp = row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr,
-                                                   Q, T, V, inv_t, ignore_index, BLOCK_V, ENTROPY, TOKEN_MAP, False)
+    _base, q, _y, valid, lse, pz, logp = row_logp(
+        x_ptr=x_ptr, x_sb=x_sb, x_st=x_st, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, r=r, n0=n0, off0=off0,
+        off1=off1, tok_ptr=tok_ptr, Q=Q, T=T, V=V, inv_temperature=inv_temperature, ignore_index=ignore_index,
+        BLOCK_V=BLOCK_V, ENTROPY=ENTROPY, TOKEN_MAP=TOKEN_MAP, EVICT_LAST=False)
     tl.store(logp_ptr + q, logp)
     tl.store(lse_ptr + q, lse)
     if ENTROPY:
@@ -70,8 +72,8 @@ def _logprobs_fwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, logp_ptr, lse_ptr
 
 @jit(do_not_specialize=["Q", "n0", "off0", "off1"])
 def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w_ptr, w2_ptr, go_ptr, gh_ptr, h_ptr,
-                         o_ptr, o_sb, o_st, tok_ptr, Q, T, V, inv_t, ignore_index, n0, off0, off1, has_w2, has_go,
-                         BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
+                         o_ptr, o_sb, o_st, tok_ptr, Q, T, V, inv_temperature, ignore_index, n0, off0, off1, has_w2,
+                         has_go, BLOCK_V: tl.constexpr, ROW_WEIGHT: tl.constexpr, ENTROPY: tl.constexpr,
                          TOKEN_MAP: tl.constexpr):
     """Logits row ``r``, token ``q`` (:func:`row_token`): ``g = g[q]``, or with ``ROW_WEIGHT`` (the fused losses and
     the sequence sums) ``g = go * (w[b] * g[q] + w2[b])``: ``g[q]`` the token's ``coef``, ``w[b]`` its row's
@@ -94,10 +96,13 @@ def _logprobs_bwd_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, lse_ptr, g_ptr, w
             if has_go != 0:
                 g = g * tl.load(go_ptr).to(tl.float32)
         if ENTROPY:
-            _row_grad_store_entropy(base, out_base, V, y, tl.load(lse_ptr + q), g, tl.load(gh_ptr + q),
-                                    tl.load(h_ptr + q), inv_t, BLOCK_V)
+            _row_grad_store_entropy(
+                base=base, out_base=out_base, V=V, y=y, lse=tl.load(lse_ptr + q), g=g,
+                gh=tl.load(gh_ptr + q), h=tl.load(h_ptr + q), inv_temperature=inv_temperature, BLOCK_V=BLOCK_V)
         else:
-            row_grad_store(base, out_base, V, y, tl.load(lse_ptr + q), g, inv_t, BLOCK_V, False)
+            row_grad_store(
+                base=base, out_base=out_base, V=V, y=y, lse=tl.load(lse_ptr + q), g=g,
+                inv_temperature=inv_temperature, BLOCK_V=BLOCK_V, STREAM=False)
     else:
         row_zero(out_base, V, BLOCK_V)
 
@@ -127,7 +132,7 @@ def _scale_rows_kernel(x_ptr, x_sb, x_st, s_ptr, out_ptr, o_sb, o_st, T, V, BLOC
 
 # ------------------------------------------------------------------ launchers (torch.library ops) and their callers
 @custom_op("logprobs_fwd_out", mutates_args=("logp", "lse", "ent"))
-def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Optional[Tensor], inv_t: float,
+def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Optional[Tensor], inv_temperature: float,
              ignore_index: int, n0: int, off0: int, off1: int, tok: Optional[Tensor]) -> None:
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
@@ -139,11 +144,12 @@ def _fwd_out(logits: Tensor, labels: Tensor, logp: Tensor, lse: Tensor, ent: Opt
             # data
             x_ptr=logits, y_ptr=labels, logp_ptr=logp, lse_ptr=lse, ent_ptr=logp if ent is None else ent,
             tok_ptr=labels if tok is None else tok,
+            # shapes and the rows' tokens (a chunk's ranges or a token map)
+            Q=labels.numel(), T=T, V=logits.shape[-1], n0=n0, off0=off0, off1=off1,
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1),
-            # sizes, scalars and the chunk's token ranges or map
-            Q=labels.numel(), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0,
-            off1=off1,
+            # options
+            inv_temperature=inv_temperature, ignore_index=ignore_index,
             # constants
             BLOCK_V=block, ENTROPY=ent is not None, TOKEN_MAP=tok is not None, num_warps=warps)
 
@@ -163,13 +169,16 @@ def logprobs_fwd(logits, labels, temperature, ignore_index, return_entropy, out=
         logp = alloc((B, T), dtype=torch.float32, device=logits.device)
         out = logp, alloc((B, T), **_like(logp)), alloc((B, T), **_like(logp)) if return_entropy else None
     logp, lse, ent = out
-    _fwd_out(logits, labels, logp, lse, ent, 1.0 / temperature, ignore_index, *chunk_rows(segs, labels.numel()))
+    n0, off0, off1, tok = chunk_rows(segs, labels.numel())
+    _fwd_out(logits=logits, labels=labels, logp=logp, lse=lse, ent=ent, inv_temperature=1.0 / temperature,
+             ignore_index=ignore_index, n0=n0, off0=off0, off1=off1, tok=tok)
     return logp, lse, ent
 
 
 def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optional[Tensor], w2: Optional[Tensor],
-                go: Optional[Tensor], gh: Optional[Tensor], h: Optional[Tensor], out: Optional[Tensor], inv_t: float,
-                ignore_index: int, n0: int, off0: int, off1: int, tok: Optional[Tensor]) -> None:
+                go: Optional[Tensor], gh: Optional[Tensor], h: Optional[Tensor], out: Optional[Tensor],
+                inv_temperature: float, ignore_index: int, n0: int, off0: int, off1: int,
+                tok: Optional[Tensor]) -> None:
     out = logits if out is None else out  # None: in place
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
@@ -183,11 +192,13 @@ def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optio
             x_ptr=logits, y_ptr=labels, lse_ptr=lse, g_ptr=g, w_ptr=g if w is None else w,
             w2_ptr=g if w2 is None else w2, go_ptr=g if go is None else go, gh_ptr=g if gh is None else gh,
             h_ptr=g if h is None else h, o_ptr=out, tok_ptr=labels if tok is None else tok,
+            # shapes and the rows' tokens (a chunk's ranges or a token map)
+            Q=labels.numel(), T=T, V=logits.shape[-1], n0=n0, off0=off0, off1=off1,
             # strides
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1), o_sb=o_sb, o_st=o_st,
-            # sizes, scalars and the chunk's token ranges or map
-            Q=labels.numel(), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index, n0=n0, off0=off0,
-            off1=off1, has_w2=int(w2 is not None), has_go=int(go is not None),
+            # options
+            inv_temperature=inv_temperature, ignore_index=ignore_index, has_w2=int(w2 is not None),
+            has_go=int(go is not None),
             # constants
             BLOCK_V=block, ROW_WEIGHT=w is not None, ENTROPY=gh is not None, TOKEN_MAP=tok is not None,
             num_warps=warps)
@@ -196,9 +207,7 @@ def _bwd_launch(logits: Tensor, labels: Tensor, lse: Tensor, g: Tensor, w: Optio
 # one launcher, two ops: into a new buffer, or over the logits (out=None; a mutated argument of an op may not alias
 # another of its arguments)
 _bwd_out = custom_op("logprobs_bwd_out", mutates_args=("out",))(_bwd_launch)
-
-
-_bwd_inplace = custom_op("logprobs_bwd_inplace", mutates_args=("logits",), bumps=(0,))(_bwd_launch)
+_bwd_inplace = custom_op("logprobs_bwd_inplace", mutates_args=("logits",), bumps=("logits",))(_bwd_launch)
 
 
 def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=None, row_weight=None,
@@ -209,10 +218,9 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     loss's backward) ``grad_loss * (row_weight[b] * grad_logp[b, t] + row_add[b])`` (``grad_loss`` 0-d, read on the
     device; ``row_add [B]``, with ``row_weight`` only, the gradient of a term in the row's plain log-probs). ``segs``:
     ``logits`` and ``out`` are a fused-linear chunk's ``[n, V]`` buffer and the other tensors the whole batch's
-    (:func:`chunk_rows`). ``grad_entropy`` (with the forward's ``entropy``, both shaped like ``labels``) adds the
-    entropy's gradient ``-grad_entropy * p (log p + H) / T``."""
-    inv_t = 1.0 / temperature
-    ranges = chunk_rows(segs, labels.numel())
+    (:func:`.common.chunk_rows`). ``grad_entropy`` (with the forward's ``entropy``, both shaped like ``labels``)
+    adds the entropy's gradient ``-grad_entropy * p (log p + H) / T``."""
+    n0, off0, off1, tok = chunk_rows(segs, labels.numel())
     # the kernel reads g, lse (and w) at flat token indices, so any shape with the labels' count will do; autograd
     # may hand an expanded (stride 0) gradient, which contiguous() materialises
     g = grad_logp.contiguous()
@@ -221,14 +229,14 @@ def logprobs_bwd(logits, labels, lse, grad_logp, temperature, ignore_index, out=
     if grad_entropy is not None:
         gh = grad_entropy.reshape(labels.shape).to(torch.float32).contiguous()
         h = entropy.reshape(labels.shape).contiguous()
-    args = (logits, labels, lse.contiguous(), g, row_weight, row_add, go, gh, h)
-    if out is logits:
-        _bwd_inplace(*args, None, inv_t, ignore_index, *ranges)
-        return logits
+    inplace = out is logits
     if out is None:
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _bwd_out(*args, out, inv_t, ignore_index, *ranges)
-    return out
+    (_bwd_inplace if inplace else _bwd_out)(
+        logits=logits, labels=labels, lse=lse.contiguous(), g=g, w=row_weight, w2=row_add, go=go, gh=gh, h=h,
+        out=None if inplace else out, inv_temperature=1.0 / temperature, ignore_index=ignore_index, n0=n0, off0=off0,
+        off1=off1, tok=tok)
+    return logits if inplace else out
 
 
 @custom_op("scale_rows_out", mutates_args=("out",))
@@ -239,19 +247,24 @@ def _scale_rows_out(x: Tensor, scale: Tensor, out: Tensor) -> None:
     block, warps = block_config(x if x.element_size() >= out.element_size() else out)  # the wider dtype's
     with device_guard(x):
         launcher(_scale_rows_kernel, x)[(B * T,)](
-            # out is x: in place (through _scale_rows), skipped on the device when the scale is 1
-            x_ptr=x, s_ptr=scale, out_ptr=out, x_sb=x.stride(0), x_st=x.stride(1), o_sb=out.stride(0),
-            o_st=out.stride(1), T=T, V=V, BLOCK_V=block, OUT=out is not x, num_warps=warps)
+            # data (out is x: in place, through _scale_rows, skipped on the device when the scale is 1)
+            x_ptr=x, s_ptr=scale, out_ptr=out,
+            # shapes
+            T=T, V=V,
+            # strides
+            x_sb=x.stride(0), x_st=x.stride(1), o_sb=out.stride(0), o_st=out.stride(1),
+            # constants
+            BLOCK_V=block, OUT=out is not x, num_warps=warps)
 
 
-@custom_op("scale_rows_", mutates_args=("x",), bumps=(0,))
+@custom_op("scale_rows_", mutates_args=("x",), bumps=("x",))
 def _scale_rows(x: Tensor, scale: Tensor) -> None:
-    _scale_rows_out.fn(x, scale, x)
+    _scale_rows_out.fn(x=x, scale=scale, out=x)
 
 
 def scale_rows_(x, scale):
     """``x [B, T, V] *= scale`` (0-d tensor) in place; a no-op on the device when ``scale == 1``."""
-    _scale_rows(x, scale.reshape(1))
+    _scale_rows(x=x, scale=scale.reshape(1))
     return x
 
 
@@ -262,5 +275,5 @@ def scaled(x, scale, dtype):
     bandwidth."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     shape = (1, 1, -1) if x.dim() == 1 else (1, -1, x.shape[-1])
-    _scale_rows_out(x.view(shape), scale.reshape(1), out.view(shape))  # the kernel reads any float scale
+    _scale_rows_out(x=x.view(shape), scale=scale.reshape(1), out=out.view(shape))  # the kernel reads any float scale
     return out

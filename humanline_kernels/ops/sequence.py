@@ -65,10 +65,12 @@ def _seq_out(val: Tensor, aux: Tensor, labels: Tensor, tw: Optional[Tensor], s: 
             # data (absent token weights point at val: no new variant)
             val_ptr=val, aux_ptr=aux, y_ptr=labels, tw_ptr=val if tw is None else tw, s_ptr=s, pol_ptr=pol,
             n_ptr=n, met_ptr=met,
+            # shapes
+            B=B, T=T, N=aux.stride(0),
             # strides
             y_sb=labels.stride(0), y_st=labels.stride(1),
-            # sizes and scalars
-            B=B, T=T, N=aux.stride(0), ignore_index=ignore_index, has_tw=int(tw is not None),
+            # options
+            ignore_index=ignore_index, has_tw=int(tw is not None),
             # constants
             BLOCK_B=bb, BLOCK_T=bt, num_warps=warps)
 
@@ -81,5 +83,6 @@ def seq_finalize(val, aux, labels, p, token_weights=None):
     s, pol, n = (torch.empty((B,), **f32) for _ in range(3))
     met = torch.empty((N_METRICS["sequence"],), **f32)
     tw = None if token_weights is None else token_weights.to(torch.float32).contiguous()
-    _seq_out(val.contiguous(), aux.contiguous(), labels, tw, s, pol, n, met, p.ignore_index)
+    _seq_out(val=val.contiguous(), aux=aux.contiguous(), labels=labels, tw=tw, s=s, pol=pol, n=n, met=met,
+             ignore_index=p.ignore_index)
     return s, pol, n, met

@@ -32,32 +32,48 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import custom_op, jit, launcher
-from .common import as_f32, chunk_rows, device_guard, grad_row, logits_rows, register_budget, row_terms, sweep_config
-from .constants import AUX_PLANES, MODE_GRPO
+from .common import (
+    as_f32,
+    band,
+    chunk_rows,
+    device_guard,
+    grad_row,
+    logits_rows,
+    register_budget,
+    row_terms,
+    sweep_config,
+)
+from .constants import AUX_PLANES, Terms
 
 
 # ------------------------------------------------------------------ kernel
 @jit(do_not_specialize=["N", "Q", "n0", "off0", "off1", "adv_sb", "adv_st"])
-def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr,
-                        g_ptr, g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, Q, T, V, inv_t,
-                        ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1, BLOCK_V: tl.constexpr,
-                        MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr, GRAD: tl.constexpr,
-                        TOKEN_MAP: tl.constexpr):
+def _token_terms_kernel(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb, adv_st, w_ptr, g_ptr,
+                        g_sb, g_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, N, Q, T, V, inv_temperature,
+                        ignore_index, log_eps_p, log_eps_r, ratio_low, ratio_high, beta, n0, off0, off1,
+                        BLOCK_V: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr, HAS_KL_REF: tl.constexpr,
+                        GRAD: tl.constexpr, TOKEN_MAP: tl.constexpr):
     r = tl.program_id(0)  # row of the logits and of the gradient output
-    base, q, y, valid, lse, coef = row_terms(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, ref_ptr, klref_ptr, adv_ptr, adv_sb,
-                                          adv_st, val_ptr, coef_ptr, lse_ptr, aux_ptr, tok_ptr, r, N, Q, T, V, inv_t,
-                                          ignore_index, clip_lo, clip_hi, rho_lo, rho_hi, beta, n0, off0, off1,
-                                          BLOCK_V, MODE, CLIP, HAS_KL_REF, TOKEN_MAP, False)
+    base, q, y, valid, lse, coef = row_terms(
+        x_ptr=x_ptr, x_sb=x_sb, x_st=x_st, y_ptr=y_ptr, y_sb=y_sb, y_st=y_st, ref_ptr=ref_ptr,
+        klref_ptr=klref_ptr, adv_ptr=adv_ptr, adv_sb=adv_sb, adv_st=adv_st, val_ptr=val_ptr, coef_ptr=coef_ptr,
+        lse_ptr=lse_ptr, aux_ptr=aux_ptr, tok_ptr=tok_ptr, r=r, N=N, Q=Q, T=T, V=V, inv_temperature=inv_temperature,
+        ignore_index=ignore_index, log_eps_p=log_eps_p, log_eps_r=log_eps_r, ratio_low=ratio_low, ratio_high=ratio_high,
+        beta=beta, n0=n0, off0=off0, off1=off1, BLOCK_V=BLOCK_V, MODE=MODE, CLIP=CLIP, HAS_KL_REF=HAS_KL_REF,
+        TOKEN_MAP=TOKEN_MAP, EVICT_LAST=False)
     if GRAD:
-        grad_row(base, g_ptr, g_sb, g_st, w_ptr, r, q, T, V, y, valid, lse, coef, inv_t, BLOCK_V, False, True)
+        grad_row(
+            base=base, g_ptr=g_ptr, g_sb=g_sb, g_st=g_st, w_ptr=w_ptr, r=r, q=q, T=T, V=V, y=y, valid=valid,
+            lse=lse, g=coef, inv_temperature=inv_temperature, BLOCK_V=BLOCK_V, STREAM=False, ROW_WEIGHT=True)
 
 
 # ------------------------------------------------------------------ launcher (torch.library ops) and its caller
-def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[Tensor], adv: Optional[Tensor],
-                  w: Optional[Tensor], grad: Optional[Tensor], grad_inplace: bool, val: Tensor, coef: Tensor,
-                  lse: Tensor, aux: Tensor, row_mode: int, clip_on: bool, clip_lo: float, clip_hi: float,
-                  rho_lo: float, rho_hi: float, beta: float, inv_t: float, ignore_index: int, n0: int, off0: int,
-                  off1: int, tok: Optional[Tensor]) -> None:
+def _token_terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, kl_ref: Optional[Tensor],
+                        advantages: Optional[Tensor], row_weight: Optional[Tensor], grad: Optional[Tensor],
+                        grad_inplace: bool, val: Tensor, coef: Tensor, lse: Tensor, aux: Tensor, terms: int,
+                        clip: bool, log_eps_p: float, log_eps_r: float, ratio_low: float, ratio_high: float,
+                        beta: float, inv_temperature: float, ignore_index: int, n0: int, off0: int, off1: int,
+                        tok: Optional[Tensor]) -> None:
     # (no argument may be called "mode": the dispatcher's mode redirection takes that keyword)
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
@@ -65,41 +81,42 @@ def _terms_launch(logits: Tensor, labels: Tensor, ref: Tensor, klref: Optional[T
         return
     g = logits if grad_inplace or grad is None else grad
     _, g_sb, g_st = logits_rows(g, T)
-    grpo = row_mode == MODE_GRPO
+    grpo = terms == Terms.GRPO
     block, warps = sweep_config(logits, family="terms")
     with device_guard(logits):
         launcher(_token_terms_kernel, logits)[(rows,)](
             # data (unused pointers get ref: no variant of their own)
-            x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if klref is None else klref,
-            adv_ptr=adv if grpo else ref, w_ptr=ref if w is None else w, g_ptr=g,
+            x_ptr=logits, y_ptr=labels, ref_ptr=ref, klref_ptr=ref if kl_ref is None else kl_ref,
+            adv_ptr=advantages if grpo else ref, w_ptr=ref if row_weight is None else row_weight, g_ptr=g,
             val_ptr=val, coef_ptr=coef, lse_ptr=lse, aux_ptr=aux, tok_ptr=labels if tok is None else tok,
+            # shapes and the rows' tokens (a chunk's ranges or a token map)
+            N=aux.stride(0), Q=labels.numel(), T=T, V=logits.shape[-1], n0=n0, off0=off0, off1=off1,
             # strides (advantages [B] have a zero token stride)
             x_sb=x_sb, x_st=x_st, y_sb=labels.stride(0), y_st=labels.stride(1),
-            adv_sb=adv.stride(0) if grpo else 0, adv_st=adv.stride(1) if grpo and adv.dim() == 2 else 0,
-            g_sb=g_sb, g_st=g_st,
-            # sizes, scalars and the chunk's token ranges or map
-            N=aux.stride(0), Q=labels.numel(), T=T, V=logits.shape[-1], inv_t=inv_t, ignore_index=ignore_index,
-            clip_lo=clip_lo, clip_hi=clip_hi, rho_lo=rho_lo, rho_hi=rho_hi, beta=beta, n0=n0, off0=off0, off1=off1,
+            adv_sb=advantages.stride(0) if grpo else 0,
+            adv_st=advantages.stride(1) if grpo and advantages.dim() == 2 else 0, g_sb=g_sb, g_st=g_st,
+            # the loss's options
+            log_eps_p=log_eps_p, log_eps_r=log_eps_r, ratio_low=ratio_low, ratio_high=ratio_high, beta=beta,
+            inv_temperature=inv_temperature, ignore_index=ignore_index,
             # constants
-            BLOCK_V=block, MODE=row_mode, CLIP=clip_on, HAS_KL_REF=klref is not None,
+            BLOCK_V=block, MODE=int(terms), CLIP=clip, HAS_KL_REF=kl_ref is not None,
             GRAD=grad_inplace or grad is not None, TOKEN_MAP=tok is not None, num_warps=warps,
             **register_budget(logits, warps))
 
 
 # one launcher, two ops: the gradient into a buffer of its own or over the logits (a mutated argument of an op may
 # not alias another of its arguments, so the in-place op mutates the logits and gets grad=None)
-_terms_out = custom_op("token_terms_out", mutates_args=("grad", "val", "coef", "lse", "aux"))(_terms_launch)
-
-
-_terms_inplace = custom_op("token_terms_inplace", mutates_args=("logits", "val", "coef", "lse", "aux"),
-                           bumps=(0,))(_terms_launch)
+_token_terms_out = custom_op("token_terms_out", mutates_args=("grad", "val", "coef", "lse", "aux"))(
+    _token_terms_launch)
+_token_terms_inplace = custom_op("token_terms_inplace", mutates_args=("logits", "val", "coef", "lse", "aux"),
+                                 bumps=("logits",))(_token_terms_launch)
 
 
 def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, row_weight=None, grad_out=None):
     """``(val, coef, lse, aux)`` of ``logits [B, T, V]`` for the loss ``p`` (a params object of
-    :mod:`humanline_kernels._params`: its mode, clip band, GRPO band and k3 weight, temperature, ignore_index)
-    and, for GRPO, ``inp.advantages`` (``[B]`` or ``[B, T]``) and ``inp.kl_ref_logps``: fp32 ``[B, T]`` x3 and
-    ``aux [AUX_PLANES, B, T]`` (4 planes, GRPO 5).
+    :mod:`humanline_kernels._params`: its ``mode``, ``clip`` band, ``temperature``, ``ignore_index`` and for GRPO
+    ``epsilon_low`` / ``epsilon_high`` and ``beta``) and, for GRPO, ``inp.advantages`` (``[B]`` or ``[B, T]``) and
+    ``inp.kl_ref_logps``: fp32 ``[B, T]`` x3 and ``aux [AUX_PLANES, B, T]`` (4 planes, GRPO 5).
 
     With ``row_weight [B]`` and ``grad_out`` (a buffer shaped like ``logits``, or ``logits`` itself: in place,
     its version counter bumped) the GRPO gradient is written too. ``out``: the four outputs to write into
@@ -115,11 +132,19 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
         # whose labels are ignore_index: the finalize and backward kernels never read them
         val, coef, lse = (torch.empty((B, T), **f32) for _ in range(3))
         out = val, coef, lse, torch.empty((AUX_PLANES[p.mode], B, T), **f32)
-    grpo = p.mode == MODE_GRPO
-    klref = as_f32(inp.kl_ref_logps) if grpo else None
-    adv = inp.advantages.to(torch.float32) if grpo else None
+    val, coef, lse, aux = out
+    grpo = p.mode == Terms.GRPO
     inplace = grad_out is not None and grad_out is logits
-    (_terms_inplace if inplace else _terms_out)(
-        logits, labels, as_f32(ref_logps), klref, adv, as_f32(row_weight), None if inplace else grad_out, inplace, *out,
-        *p.terms, *chunk_rows(segs, B * T))
+    n0, off0, off1, tok = chunk_rows(segs, B * T)
+    (_token_terms_inplace if inplace else _token_terms_out)(
+        # data
+        logits=logits, labels=labels, ref=as_f32(ref_logps), kl_ref=as_f32(inp.kl_ref_logps) if grpo else None,
+        advantages=inp.advantages.to(torch.float32) if grpo else None, row_weight=as_f32(row_weight),
+        grad=None if inplace else grad_out, grad_inplace=inplace, val=val, coef=coef, lse=lse, aux=aux,
+        # the loss's options (GRPO's ratio band and k3 weight unused by the clipped log-ratio)
+        terms=int(p.mode), **band(p.clip), ratio_low=1.0 - float(p.epsilon_low) if grpo else 0.8,
+        ratio_high=1.0 + float(p.epsilon_high) if grpo else 1.2, beta=float(p.beta) if grpo else 0.0,
+        inv_temperature=1.0 / float(p.temperature), ignore_index=p.ignore_index,
+        # the rows' tokens
+        n0=n0, off0=off0, off1=off1, tok=tok)
     return out
