@@ -12,6 +12,7 @@ ground truth in :mod:`humanline_kernels.reference`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
@@ -40,6 +41,31 @@ METRICS = {
 def named_metrics(name, met):
     """The API's metrics dict of a finalize kernel's ``metrics`` tensor (0-d views, in :data:`METRICS` order)."""
     return dict(zip(METRICS[name], met.unbind(0)))
+
+
+def options(spec):
+    """The defaults of a public function's loss options, written once: the params class ``spec`` (its dataclass
+    fields' defaults) fills every keyword-only parameter that the function's signature lists without a default, so
+    ``hk.losses``, ``hk.fused`` and ``hk.fused_linear`` name the same options and share one set of defaults. A
+    keyword that ``spec`` has must not restate a default of its own; one that it lacks (a level's own, e.g.
+    ``validate``) must have one."""
+    fields = {f.name: f for f in dataclasses.fields(spec)}
+
+    def stamp(fn):
+        code = fn.__code__
+        kwonly = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+        given = dict(fn.__kwdefaults__ or {})
+        for name in kwonly:
+            field = fields.get(name)
+            if field is not None and name in given:
+                raise TypeError(f"{fn.__qualname__}: {name}'s default is {spec.__name__}'s, not written again here")
+            if field is None and name not in given:
+                raise TypeError(f"{fn.__qualname__}: {name} has no default and {spec.__name__} has no such option")
+            if field is not None:
+                given[name] = field.default
+        fn.__kwdefaults__ = given
+        return fn
+    return stamp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +228,13 @@ class GRPO(Loss):
     name: ClassVar[str] = "grpo"
     mode: ClassVar[Terms] = Terms.GRPO
     Inputs: ClassVar[type] = GRPOInputs
+
+    @classmethod
+    def of(cls, *, normalizer, **options):
+        """``(params, tensor normalizer or None)``: a number normalizer travels in the params, a tensor as an input
+        (:class:`GRPOInputs`)."""
+        tensor = normalizer if isinstance(normalizer, Tensor) else None
+        return cls(normalizer=None if tensor is not None else normalizer, **options), tensor
 
     @property
     def aggregation(self) -> Aggregation:

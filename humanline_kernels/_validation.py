@@ -170,8 +170,7 @@ def check_grpo(p, shape, like, inp):
         raise ValueError(f"advantages must be a floating-point tensor, got {adv.dtype}")
     if inp.kl_ref_logps is not None:
         check_tensor("kl_ref_logps", inp.kl_ref_logps, shape=shape, dtypes=(like.dtype,), device=like.device)
-    check_real("epsilon_low", p.epsilon_low, low=0.0, high=1.0)
-    check_real("epsilon_high", p.epsilon_high, low=0.0)
+    check_grpo_band(p.epsilon_low, p.epsilon_high)
     if p.loss_type not in GRPO_AGGREGATION:
         raise ValueError(f"loss_type must be one of {tuple(GRPO_AGGREGATION)}, got {p.loss_type!r}"
                          + (" (the kernels aggregate these; every TRL loss type runs from per-token log-probs, "
@@ -181,7 +180,17 @@ def check_grpo(p, shape, like, inp):
         _check_normalizer(norm, like.device)
     if norm is not None and p.loss_type not in ("dapo", "bnpo"):
         raise ValueError(f"normalizer applies to loss_type 'dapo' or 'bnpo' only, got loss_type={p.loss_type!r}")
-    m = p.max_completion_length
+    check_max_completion_length(p.max_completion_length)
+
+
+def check_grpo_band(epsilon_low, epsilon_high):
+    """GRPO's ratio band ``[1 - epsilon_low, 1 + epsilon_high]``, at every level."""
+    check_real("epsilon_low", epsilon_low, low=0.0, high=1.0)
+    check_real("epsilon_high", epsilon_high, low=0.0)
+
+
+def check_max_completion_length(m):
+    """"dr_grpo"'s fixed length: a positive int or None (the rows' width), at every level."""
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m <= 0):
         raise ValueError(f"max_completion_length must be a positive int or None, got {m!r}")
 
@@ -417,8 +426,7 @@ def check_grpo_options(logps, advantages, *, clip, epsilon_low, epsilon_high, lo
     if tuple(advantages.shape) not in ((B,), (B, T)) or not advantages.is_floating_point():
         raise ValueError(f"advantages must be a floating-point tensor of shape [{B}] or [{B}, {T}], got "
                          f"{shape_of(advantages)} {advantages.dtype}")
-    check_real("epsilon_low", epsilon_low, low=0.0, high=1.0)
-    check_real("epsilon_high", epsilon_high, low=0.0)
+    check_grpo_band(epsilon_low, epsilon_high)
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
     if normalizer is not None:
@@ -426,10 +434,7 @@ def check_grpo_options(logps, advantages, *, clip, epsilon_low, epsilon_high, lo
         if loss_type not in GRPO_NORMALIZER_TYPES:
             raise ValueError(f"normalizer applies to loss_type in {GRPO_NORMALIZER_TYPES} only (the others fix "
                              f"their own denominator), got loss_type={loss_type!r}")
-    if max_completion_length is not None and (isinstance(max_completion_length, bool)
-                                              or not isinstance(max_completion_length, int)
-                                              or max_completion_length <= 0):
-        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
+    check_max_completion_length(max_completion_length)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be in {IMPORTANCE_SAMPLING_LEVELS}, "
                          f"got {importance_sampling_level!r}")

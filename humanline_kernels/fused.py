@@ -28,8 +28,21 @@ from __future__ import annotations
 import torch
 
 from . import _eager, _layout, _objectives, _validation, losses, ops
-from ._clip import DEFAULT_CLIP
-from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics
+from ._params import (
+    DPO,
+    GRPO,
+    IPO,
+    KTO,
+    DPOInputs,
+    GRPOInputs,
+    KTOInputs,
+    Sequence,
+    SimPO,
+    SLiC,
+    Tokens,
+    named_metrics,
+    options,
+)
 from .ops.constants import LOGP_PLANE, Terms
 
 __all__ = ["token_logprobs", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo", "slic"]
@@ -106,8 +119,9 @@ class _TokenLogprobs(torch.autograd.Function):
         return None, None, None, None, d, None
 
 
-def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False,
-                   inplace_backward=False, validate=True):
+@options(Tokens)
+def token_logprobs(logits, labels, *, temperature, ignore_index, return_entropy=False, inplace_backward=False,
+                   validate=True):
     """Per-token ``log_softmax(logits / temperature)[labels]`` in fp32, shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``logits``. With ``return_entropy=True`` returns ``(logps, entropy)``, the
@@ -336,9 +350,10 @@ def _tokens(lay):
     return None if lay is None else lay[0].plane
 
 
-def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None, temperature=1.0,
-         ignore_index=-100, validate=True, grad_in_forward=False, inplace_backward=False, packed=None):
+@options(GRPO)
+def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsilon_high, kl_ref_logps=None, loss_type,
+         normalizer, max_completion_length, temperature, ignore_index, validate=True, grad_in_forward=False,
+         inplace_backward=False, packed=None):
     """Humanline GRPO from ``logits [B, T, V]``; same keywords and result as :func:`humanline_kernels.losses.grpo`.
     ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, ``logits [N, V]`` (or ``[1, N, V]``)
     and per-token tensors ``[N]``, advantages ``[S]`` (one per sequence, also when ``N == S``) or ``[N]`` / ``[1, N]``
@@ -352,10 +367,10 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
     case). The gradient buffer is new (``inplace_backward=False``) or the logits themselves (``True``: the
     logits are overwritten already during the forward). Backward may then run only once for this loss.
     """
-    p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                                 loss_type=loss_type, normalizer=normalizer,
-                                 max_completion_length=max_completion_length, temperature=temperature,
-                                 ignore_index=ignore_index)
+    p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                      loss_type=loss_type, normalizer=normalizer,
+                      max_completion_length=max_completion_length, temperature=temperature,
+                      ignore_index=ignore_index)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    grad_in_forward=grad_in_forward, inplace_backward=inplace_backward)
     inp = GRPOInputs(_per_token(advantages, lay, True), _per_token(kl_ref_logps, lay), norm)
@@ -368,10 +383,10 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
     return loss, named_metrics("grpo", met)
 
 
-def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
-        loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-        ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0, ignore_index=-100, validate=True,
-        inplace_backward=False, packed=None):
+@options(DPO)
+def dpo(logits, labels, ref_logps, *, clip, beta, label_smoothing, loss_type, loss_weights, rpo_alpha,
+        f_divergence_type, f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, temperature, ignore_index,
+        validate=True, inplace_backward=False, packed=None):
     """Humanline DPO from ``logits [2P, T, V]`` (or a packed batch of ``2P`` sequences, chosen first: ``packed``,
     as for :func:`grpo`); same keywords and result as :func:`humanline_kernels.losses.dpo`
     (WPO's ``use_weighting`` is refused: it needs each token's ``log sum p^2``). DPO and cDPO run in the DPO
@@ -399,9 +414,10 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
     return losses.from_rows(p, rows, metrics, mixture=mixture)
 
 
-def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
-        beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto", kl_estimate="halos", temperature=1.0,
-        ignore_index=-100, validate=True, inplace_backward=False, packed=None, kl_packed=None):
+@options(KTO)
+def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip, beta,
+        desirable_weight, undesirable_weight, loss_type, kl_estimate, temperature, ignore_index, validate=True,
+        inplace_backward=False, packed=None, kl_packed=None):
     """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass. Same
     keywords and result as :func:`humanline_kernels.losses.kto`. ``packed`` / ``kl_packed``: the batch / the KL
     rows packed (as for :func:`grpo`; the KL rows ``[N_kl]`` with boundaries of their own)."""
@@ -424,8 +440,9 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
     return loss, named_metrics("kto", met)
 
 
-def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False, temperature=1.0, ignore_index=-100,
-                       validate=True, inplace_backward=False, packed=None):
+@options(Sequence)
+def sequence_logratios(logits, labels, ref_logps, *, clip, normalize, temperature, ignore_index, validate=True,
+                       inplace_backward=False, packed=None):
     """The sequence-level primitive from ``logits [B, T, V]``: ``(s [B], policy_sums [B], metrics)``, as
     :func:`humanline_kernels.losses.sequence_logratios` (``ref_logps=None``: a reference of 0). Kernel path: the
     row kernel and one sums kernel forward, one launch backward, whatever loss is built on the sums. ``packed``:
@@ -442,8 +459,9 @@ def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False,
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
-def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, ignore_index=-100, validate=True,
-        inplace_backward=False, packed=None):
+@options(IPO)
+def ipo(logits, labels, ref_logps, *, clip, beta, temperature, ignore_index, validate=True, inplace_backward=False,
+        packed=None):
     """Humanline IPO from ``logits [2P, T, V]`` (or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.ipo`."""
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
@@ -455,8 +473,9 @@ def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, igno
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay)))
 
 
-def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0, ignore_index=-100,
-          validate=True, inplace_backward=False, packed=None):
+@options(SimPO)
+def simpo(logits, labels, *, clip, beta, gamma_beta_ratio, temperature, ignore_index, validate=True,
+          inplace_backward=False, packed=None):
     """Humanline SimPO from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.simpo`."""
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
@@ -468,8 +487,9 @@ def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, tempera
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))
 
 
-def slic(logits, labels, *, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0, ignore_index=-100, validate=True,
-         inplace_backward=False, packed=None):
+@options(SLiC)
+def slic(logits, labels, *, clip, beta, lambda_coef, temperature, ignore_index, validate=True, inplace_backward=False,
+         packed=None):
     """Humanline SLiC from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.slic`."""
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)

@@ -44,8 +44,7 @@ import math
 import torch
 
 from . import _eager, _layout, _objectives, _validation, losses, ops
-from ._clip import DEFAULT_CLIP
-from ._params import DPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics
+from ._params import DPO, GRPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics, options
 from .fused import _distinct, _input_grads, _owed
 from .ops import linear
 from .ops.constants import AUX_PLANES
@@ -200,7 +199,8 @@ class _LinearLogprobs(torch.autograd.Function):
         return None, None, None, None, None, dh, dw, db, None
 
 
-def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
+@options(Tokens)
+def token_logprobs(hidden, weight, labels, *, bias=None, temperature, ignore_index, return_entropy=False,
                    chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """fp32 ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` shaped like ``labels``, 0 where ignored.
 
@@ -316,8 +316,9 @@ def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights
     return _objectives.Rows(s, pol, n), named_metrics("sequence", met)
 
 
-def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=None, normalize=False, temperature=1.0,
-                       ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(Sequence)
+def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip, normalize, temperature, ignore_index,
+                       chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """The sequence-level primitive from ``hidden [B, T, D]`` and ``weight [V, D]``: ``(s [B], policy_sums [B],
     metrics)``, as :func:`humanline_kernels.losses.sequence_logratios`; the backward recomputes the lm_head GEMM
     chunk by chunk. ``supervised`` / ``packed``: as for :func:`grpo`."""
@@ -330,8 +331,9 @@ def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=Non
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
-def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip=None, beta=0.1, temperature=1.0, ignore_index=-100,
-        chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(IPO)
+def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, temperature, ignore_index, chunk_bytes=CHUNK_BYTES,
+        validate=True, supervised=None, packed=None):
     """Humanline IPO from ``hidden [2P, T, D]``; as :func:`humanline_kernels.losses.ipo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
@@ -341,8 +343,9 @@ def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip=None, beta=0.1, te
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm))
 
 
-def simpo(hidden, weight, labels, *, bias=None, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0,
-          ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(SimPO)
+def simpo(hidden, weight, labels, *, bias=None, clip, beta, gamma_beta_ratio, temperature, ignore_index,
+          chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline SimPO from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.simpo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
@@ -352,8 +355,9 @@ def simpo(hidden, weight, labels, *, bias=None, clip=None, beta=2.0, gamma_beta_
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
-def slic(hidden, weight, labels, *, bias=None, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0,
-         ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(SLiC)
+def slic(hidden, weight, labels, *, bias=None, clip, beta, lambda_coef, temperature, ignore_index,
+         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline SLiC from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
@@ -465,9 +469,10 @@ class _LinearLoss(torch.autograd.Function):
         return (None,) * 5 + (dh, dw, db, None) + more
 
 
-def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2,
-         epsilon_high=0.2, kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None,
-         temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(GRPO)
+def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip, beta, epsilon_low, epsilon_high,
+         kl_ref_logps=None, loss_type, normalizer, max_completion_length, temperature, ignore_index,
+         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline GRPO from ``hidden [B, T, D]`` and ``weight [V, D]``; keywords and result of
     :func:`humanline_kernels.losses.grpo` plus ``bias`` and ``chunk_bytes``. Chunks are token ranges.
 
@@ -479,10 +484,10 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     one per sequence then); its boundaries are read on the host
     (pass ``cu_seqlens`` on the CPU). Both: docs/fused_linear.md, "Layouts"."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                                 loss_type=loss_type, normalizer=normalizer,
-                                 max_completion_length=max_completion_length, temperature=temperature,
-                                 ignore_index=ignore_index)
+    p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                      loss_type=loss_type, normalizer=normalizer,
+                      max_completion_length=max_completion_length, temperature=temperature,
+                      ignore_index=ignore_index)
     given = labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
@@ -495,10 +500,10 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     return loss, named_metrics("grpo", met)
 
 
-def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0,
-        loss_type="sigmoid", loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl",
-        f_alpha_divergence_coef=0.5, ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0,
-        ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(DPO)
+def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, label_smoothing, loss_type, loss_weights,
+        rpo_alpha, f_divergence_type, f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, temperature,
+        ignore_index, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first; ``supervised`` / ``packed`` as for
     :func:`grpo`, packed: ``2P`` sequences, chosen first); keywords and result of
     :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes`` (WPO refused, as at the logits level).
@@ -525,10 +530,10 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
     return loss, named_metrics("dpo", met)
 
 
-def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
-        bias=None, clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
-        kl_estimate="halos", temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True,
-        supervised=None, packed=None, kl_packed=None):
+@options(KTO)
+def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, bias=None,
+        clip, beta, desirable_weight, undesirable_weight, loss_type, kl_estimate, temperature, ignore_index,
+        chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, kl_packed=None):
     """Humanline KTO from ``hidden [B, T, D]``; the KL rows come as log-probs (``kl_logps``, ``kl_ref_logps``,
     ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows. Same
     keywords and result as :func:`humanline_kernels.losses.kto`; ``supervised`` / ``packed`` as for :func:`grpo`,

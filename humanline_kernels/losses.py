@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _layout, _objectives, _validation
-from ._clip import DEFAULT_CLIP, clamp_band
-from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC
+from ._clip import clamp_band
+from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, options
 from .ops.constants import Terms
 
 __all__ = ["dpo", "kto", "grpo", "ipo", "simpo", "slic", "sequence_logratios", "compute", "clip_log_ratio",
@@ -466,15 +466,6 @@ def compute(p, logps, ref_logps, mask, inp):
     return _LOSSES[p.name](p, logps, ref_logps, mask, inp)
 
 
-def grpo_params(*, clip, beta, epsilon_low, epsilon_high, loss_type, normalizer, max_completion_length, **tokens):
-    """GRPO's params and the tensor normalizer (or None): a number travels in the params, a tensor as an input."""
-    tensor = normalizer if isinstance(normalizer, torch.Tensor) else None
-    p = GRPO(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
-             normalizer=None if tensor is not None else normalizer, max_completion_length=max_completion_length,
-             **tokens)
-    return p, tensor
-
-
 # ------------------------------------------------------------------ layouts: a packed batch on the padded rows
 def unpacked(packed, logps, *per_token, per_sequence=(), names=("packed", "logps")):
     """The per-token tensors of a packed batch (``[N]`` or ``[1, N]``, shaped like ``logps``; others, e.g. one
@@ -503,7 +494,8 @@ def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):
 
 
 # ------------------------------------------------------------------ the public functions of this level
-def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False, packed=None):
+@options(Sequence)
+def sequence_logratios(logps, ref_logps, mask, *, clip, normalize, packed=None):
     """``(s [B], policy_sums [B], metrics)``: per-sequence sums of the clamped log-ratio (divided by the token count
     when ``normalize``) and of the policy's log-probs (never clamped); ``ref_logps=None`` is a reference of 0.
     Differentiable; see :func:`humanline_kernels.reference.sequence_logratios`. ``packed``
@@ -517,7 +509,8 @@ def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False, pa
     return (mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
-def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1, packed=None):
+@options(IPO)
+def ipo(logps, ref_logps, mask, *, clip, beta, packed=None):
     """Humanline IPO from ``[2P, T]`` log-probs (HALOs' IPO; TRL's "ipo"); see
     :func:`humanline_kernels.reference.ipo`."""
     logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
@@ -527,7 +520,8 @@ def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1, packed=None):
     return _sequence_loss(p, logps, ref_logps, mask, None)
 
 
-def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, packed=None):
+@options(SimPO)
+def simpo(logps, mask, *, clip, beta, gamma_beta_ratio, packed=None):
     """Humanline SimPO (a reference of 0); see :func:`humanline_kernels.reference.simpo`."""
     logps, _, mask = unpacked(packed, logps, None, mask)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
@@ -536,7 +530,8 @@ def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, packed=Non
     return _sequence_loss(p, logps, None, mask, None)
 
 
-def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1, packed=None):
+@options(SLiC)
+def slic(logps, mask, *, clip, beta, lambda_coef, packed=None):
     """Humanline SLiC (a reference of 0); see :func:`humanline_kernels.reference.slic`."""
     logps, _, mask = unpacked(packed, logps, None, mask)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef)
@@ -545,9 +540,9 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1, packed=None):
     return _sequence_loss(p, logps, None, mask, None)
 
 
-def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
-        loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-        ld_alpha=None, discopop_tau=0.05, use_weighting=False, log_sum_sq_probs=None, packed=None):
+@options(DPO)
+def dpo(logps, ref_logps, mask, *, clip, beta, label_smoothing, loss_type, loss_weights, rpo_alpha, f_divergence_type,
+        f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, log_sum_sq_probs=None, packed=None):
     """Humanline DPO from ``[2P, T]`` log-probs, TRL 1.16's loss types and options too; returns ``(loss,
     metrics)``. See :func:`humanline_kernels.reference.dpo`. ``packed``: ``2P`` packed sequences, chosen first."""
     logps, ref_logps, mask, log_sum_sq_probs = unpacked(packed, logps, ref_logps, mask, log_sum_sq_probs)
@@ -560,9 +555,9 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
     return _dpo(p, logps, ref_logps, mask, inp)
 
 
-def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
-        clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
-        kl_estimate="halos", packed=None, kl_packed=None):
+@options(KTO)
+def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip, beta,
+        desirable_weight, undesirable_weight, loss_type, kl_estimate, packed=None, kl_packed=None):
     """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0`` (``kl_estimate``:
     HALOs' or TRL's); ``loss_type="apo_zero_unpaired"`` has none. See :func:`humanline_kernels.reference.kto`.
     ``packed`` / ``kl_packed``: the rows / the KL rows come packed, each with boundaries of its own."""
@@ -576,13 +571,13 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
     return _kto(p, logps, ref_logps, mask, inp)
 
 
-def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None,
-         importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-         vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, importance_sampling_ratio=None,
-         tool_mask=None, off_policy_mask_threshold=None, sampling_per_token_logps=None, top_entropy_quantile=1.0,
-         entropies=None, entropy_coef=0.0, use_adaptive_entropy=False, entropy_target=0.2,
-         last_world_entropy=math.inf, use_bias_correction_kl=False, entropy_mask=None, packed=None):
+@options(GRPO)
+def grpo(logps, ref_logps, advantages, mask, *, clip, beta, epsilon_low, epsilon_high, kl_ref_logps=None, loss_type,
+         normalizer, max_completion_length, importance_sampling_level, delta, sapo_temperature_pos,
+         sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
+         importance_sampling_ratio=None, tool_mask=None, off_policy_mask_threshold, sampling_per_token_logps=None,
+         top_entropy_quantile, entropies=None, entropy_coef, use_adaptive_entropy, entropy_target, last_world_entropy,
+         use_bias_correction_kl, entropy_mask=None, packed=None):
     r"""Humanline GRPO from ``[B, T]`` log-probs and ``advantages`` ``[B]`` or ``[B, T]``, with every option of TRL
     1.16's ``GRPOTrainer`` (the keywords and defaults of :func:`humanline_kernels.reference.grpo`, which documents
     each); returns ``(loss, metrics)``.
@@ -613,7 +608,7 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
      entropies, entropy_mask) = unpacked(packed, logps, ref_logps, mask, advantages, kl_ref_logps,
                                          importance_sampling_ratio, tool_mask, sampling_per_token_logps, entropies,
                                          entropy_mask, per_sequence=(2, 4))
-    p, norm = grpo_params(
+    p, norm = GRPO.of(
         clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
         normalizer=normalizer, max_completion_length=max_completion_length,
         importance_sampling_level=importance_sampling_level, delta=delta, sapo_temperature_pos=sapo_temperature_pos,

@@ -267,7 +267,7 @@ def test_grpo_row_weights_match_grpo_aggregate(agg, empty):
     x = torch.randn(4, 6, generator=g).requires_grad_()
     hk.losses.grpo_aggregate(torch.where(mask, x, 0.0), mask, **full).backward()
     labels = torch.where(mask, 0, -100)
-    p, norm = hk.losses.grpo_params(clip=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, **full)
+    p, norm = P.GRPO.of(clip=None, **full)
     w = FK.grpo_finalize(None, None, labels, p, P.GRPOInputs(torch.ones(4), None, norm))[2]
     assert w.shape == (4,) and w.dtype == torch.float32
     torch.testing.assert_close(torch.where(mask, w[:, None].expand(4, 6), 0.0), x.grad, atol=0, rtol=1e-6)
@@ -350,9 +350,7 @@ def test_finalize_kernels_and_eager_twins_match_reference(case):
         adv = torch.randn(B, generator=g)
         kl_ref = ref + 0.2 * torch.randn(B, T, generator=g) if kw.pop("kl_ref", False) else None
         loss_r, met_r = hk.reference.grpo(logps, ref, adv, mask, clip=clip, kl_ref_logps=kl_ref, **kw)
-        p, norm = hk.losses.grpo_params(**dict(dict(clip=clip, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-                                                    loss_type="dapo", normalizer=None, max_completion_length=None),
-                                               **kw), temperature=temperature)
+        p, norm = P.GRPO.of(**dict(dict(clip=clip, normalizer=None), **kw), temperature=temperature)
         inp = P.GRPOInputs(adv, kl_ref, norm)
     elif kind == "dpo":
         loss_r, met_r = hk.reference.dpo(logps, ref, mask, clip=clip, **kw)
