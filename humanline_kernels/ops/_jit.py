@@ -63,7 +63,7 @@ def interpreted(kernel: JITFunction):
     return twin
 
 
-# Fused multiply-adds on, stated at every launch: the kernels' measured error bounds assume them (the folded
+# Fused multiply-adds on, stated at every launch: the kernels' error bounds assume them (the folded
 # ``1/T * log2(e)`` scaling is one), and Triton's default for them is announced to change (to off in Triton 3.10).
 FP_FUSION = True
 
@@ -96,9 +96,9 @@ def custom_op(name: str, mutates_args: tuple, bumps: tuple = ()):
     """Register the launcher ``fn`` as the ``torch.library`` op ``humanline::<name>`` (it writes into its
     preallocated tensor arguments ``mutates_args`` and returns nothing, so it needs no fake implementation).
 
-    The returned callable runs the op while ``torch.compile`` traces (the op stays opaque in the graph) and ``fn``
-    itself otherwise: the dispatcher's own work (schema binding, autograd and Dynamo wrappers, redispatch) costs
-    tens of microseconds a call, more than everything else on the host. ``bumps``: positions of arguments that
+    The returned callable, called with keywords, runs the op while ``torch.compile`` traces (the op stays opaque in
+    the graph) and ``fn`` itself otherwise: the dispatcher's own work (schema binding, autograd and Dynamo wrappers,
+    redispatch) costs more than everything else a call does on the host. ``bumps``: the names of arguments that
     belong to the caller (e.g. logits overwritten by their gradient), whose version counter the direct call bumps
     as the op would, so that a later use of the overwritten tensor fails loudly. ``.op`` is the registered op,
     ``.fn`` the launcher itself.
@@ -106,12 +106,12 @@ def custom_op(name: str, mutates_args: tuple, bumps: tuple = ()):
     def register(fn):
         op = torch.library.custom_op(f"humanline::{name}", mutates_args=mutates_args)(fn)
 
-        def call(*args):
+        def call(**kwargs):
             if torch.compiler.is_compiling():
-                return op(*args)
-            fn(*args)
-            for i in bumps:
-                torch.autograd.graph.increment_version(args[i])
+                return op(**kwargs)
+            fn(**kwargs)
+            for arg in bumps:
+                torch.autograd.graph.increment_version(kwargs[arg])
         call.op, call.fn = op, fn
         call.__name__ = call.__qualname__ = fn.__name__
         call.__doc__ = fn.__doc__
@@ -147,8 +147,8 @@ def _patch_interpreter():
       which NumPy >= 2.4 refuses for arrays of one dimension (``range(0, V, BLOCK)`` then fails). Its tensors get
       an ``__index__`` that takes the one element.
     * Triton patches ``triton.language`` again on every device-function call (``inspect.getmembers`` of five
-      namespaces, about 2 ms): half the time of an interpreted launch of ours went there. Within a launch a
-      namespace set is patched once; nothing restores it before the launch ends.
+      namespaces), half the time of an interpreted launch of ours. Within a launch a namespace set is patched
+      once; nothing restores it before the launch ends.
     """
     global _PATCHED
     if _PATCHED:
