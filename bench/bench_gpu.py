@@ -6,8 +6,9 @@ Stages, in order (each one's output goes to ``DIR/gpu.log``; a failing stage is 
 
 1. ``tests``: the GPU tests (``pytest -m gpu``: compiled kernels, asserted to be the path that ran);
 2. ``parity``: every fused path against ``hk.reference`` at N = 8192, V = 128256, bf16 -- ``token_logprobs``, GRPO
-   (clip on and off, each ``loss_type``, gradient in the forward, in place), DPO, KTO, packed batches (host and
-   device boundaries), fused linear at D = 4096 (dense and on the supervised tokens only) --
+   (clip on and off, each ``loss_type``, gradient in the forward, in place; on sm_90 also on the cluster kernel),
+   DPO, KTO, packed batches (host and device boundaries), fused linear at D = 4096 (dense and on the supervised
+   tokens only) --
    with docs/design.md's tolerances (log-probs 2e-3 absolute, loss 2e-3, gradients 1e-2 relative norm);
 3. ``demo``: ``python -m humanline_kernels.demo --device cuda`` (2 seeds, one learning rate, 30 steps);
 4. ``host``, ``logits``, ``tune`` (the launch table, ``DIR/tuned.json``), ``linear``, ``masks`` (``bench linear
@@ -134,6 +135,21 @@ def parity(N, V, D, device="cuda"):
         del leaf, leaf_r, gk, gr
         torch.cuda.empty_cache()
 
+    from humanline_kernels.ops import _jit, cluster
+    # GRPO's gradient in the forward on the cluster kernel, forced (its table has no entry until measured): sm_90 only
+    on_cluster = dev == "cuda" and cluster.arch_ok(torch.device(dev))
+    if dev == "cuda" and not on_cluster:
+        print("  (the cluster kernel's rows: not on this card, sm_90 only)", flush=True)
+
+    def on_the_cluster(name, loss_fn, ref_fn, wrt_bf):
+        """A row with the cluster kernel forced (4 CTAs of 256 threads a row); it fails if that kernel did not run."""
+        before = _jit.LAUNCHES[("compiled", "gif_cluster")]
+        with cluster.forced(4, 256):
+            check(name, loss_fn, ref_fn, wrt_bf)
+        if _jit.LAUNCHES[("compiled", "gif_cluster")] == before:
+            rows[-1].update(ok=False, error="the cluster kernel did not run")
+            print(f"  FAIL {name}: the cluster kernel did not run", flush=True)
+
     clip = hk.HumanlineClip()
     check("token_logprobs", lambda z: hk.token_logprobs(z, y), lambda z: hk.reference.token_logprobs(z, y), x,
           logp=True)
@@ -153,6 +169,20 @@ def parity(N, V, D, device="cuda"):
               lambda z, kw=kw: hk.fused.grpo(z * 1, y, ref, adv, grad_in_forward=True, inplace_backward=True,
                                              **kw)[0],
               lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
+        # the cluster kernel (sm_90; issue 91): every loss type, and in place
+        for lt in ("dapo", "bnpo", "grpo", "dr_grpo") if on_cluster else ():
+            kw = dict(clip=c, loss_type=lt, beta=0.04)
+            on_the_cluster(f"fused.grpo grad_in_forward cluster {lt} {tag}",
+                           lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, grad_in_forward=True, **kw)[0],
+                           lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask,
+                                                              **kw)[0], x)
+        if on_cluster:
+            kw = dict(clip=c, beta=0.04, temperature=0.7)
+            on_the_cluster(f"fused.grpo grad_in_forward cluster inplace T=0.7 {tag}",
+                           lambda z, kw=kw: hk.fused.grpo(z * 1, y, ref, adv, grad_in_forward=True,
+                                                          inplace_backward=True, **kw)[0],
+                           lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y, temperature=0.7),
+                                                              ref, adv, mask, **kw)[0], x)
         check(f"fused.dpo {tag}", lambda z, c=c: hk.fused.dpo(z, y, ref, clip=c)[0],
               lambda z, c=c: hk.reference.dpo(hk.reference.token_logprobs(z, y), ref, mask, clip=c)[0], x)
         check(f"fused.dpo inplace {tag}",
@@ -181,6 +211,12 @@ def parity(N, V, D, device="cuda"):
                                              packed=pk)[0],
               lambda z: hk.reference.grpo(hk.reference.token_logprobs(_unpack(z, lens, T), yl), ref, adv, ml,
                                           clip=clip, beta=0.04)[0], xp)
+        if on_cluster:
+            on_the_cluster(f"fused.grpo packed grad_in_forward cluster ({tag})",
+                           lambda z, pk=pk: hk.fused.grpo(z, yp, rp, adv, clip=clip, beta=0.04, grad_in_forward=True,
+                                                          packed=pk)[0],
+                           lambda z: hk.reference.grpo(hk.reference.token_logprobs(_unpack(z, lens, T), yl), ref, adv,
+                                                       ml, clip=clip, beta=0.04)[0], xp)
     del x, xp
     torch.cuda.empty_cache()
     h = torch.randn(B, T, D, device=dev, generator=g).to(bf)

@@ -7,7 +7,8 @@ forward + backward (``torch.autograd.grad``, so nothing accumulates into ``.grad
 allocated beyond the inputs. Floors come from the copy bandwidth measured in the same run (bytes read + written
 per ms): the 3-pass floor reads the logits in the forward and reads + writes them in the backward
 (``3 * N * V * 2`` bytes), the 2-pass floor is one read + one write (gradient formed in the forward).
-Baselines: eager fp32 ``log_softmax + gather``, its ``torch.compile`` version, Liger-Kernel
+On sm_90 also GRPO's gradient in the forward on the cluster kernel (``ops/cluster.py``), each configuration
+``CTAs x threads`` forced. Baselines: eager fp32 ``log_softmax + gather``, its ``torch.compile`` version, Liger-Kernel
 ``CrossEntropyLoss(reduction="none")`` and ``triton_grpo_loss``, quack ``cross_entropy(reduction="none")``
 (each when importable). ``--quick``: a tiny CPU smoke of the harness (eager paths, seconds).
 
@@ -85,6 +86,22 @@ def _impls(x, y, ref, quick):
     }
     if quick or not x.is_cuda:  # the peers below are GPU kernels (Liger's Triton kernels fail on CPU tensors)
         return impls
+    # GRPO's gradient in the forward on the cluster kernel (sm_90; issue 91), each configuration forced
+    from humanline_kernels.ops import cluster
+    if cluster.arch_ok(x.device):
+        def on_cluster(ctas, threads, wrt=x, **kw):
+            with cluster.forced(ctas, threads):
+                return grad(hk.fused.grpo(wrt, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True,
+                                          **kw)[0], None, wrt)
+        for ctas, threads in ((1, 512), (2, 256), (4, 256), (4, 512), (8, 256)):
+            if cluster.fits(x, None, ctas):
+                impls[f"hk.fused.grpo(grad_in_fwd,cluster {ctas}x{threads})"] = (
+                    lambda c=ctas, t=threads: on_cluster(c, t), 2)
+        if cluster.fits(x, None, 4):
+            impls["hk.fused.grpo(grad_in_fwd,grpo,cluster 4x256)"] = (
+                lambda: on_cluster(4, 256, loss_type="grpo"), 2)
+            impls["hk.fused.grpo(grad_in_fwd,inplace,cluster 4x256)"] = (
+                lambda: on_cluster(4, 256, wrt=xi, inplace_backward=True), 2)
     compiled = torch.compile(eager_lp)
     impls["torch.compile log_softmax+gather"] = (lambda: grad(compiled(x), g), 3)
     try:

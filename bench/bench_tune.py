@@ -124,7 +124,8 @@ def run(N, vocabs, families, *, quick, out_dir, write):
             if device == "cuda":
                 torch.cuda.empty_cache()
     seconds = time.perf_counter() - started
-    tuned = {"format": 1, "what": tuning.table().get("what", ""), "devices": {}}
+    # (the table's other sections, e.g. the cluster kernel's dispatch, kept as they are)
+    tuned = {**tuning.table(), "format": 1, "what": tuning.table().get("what", ""), "devices": {}}
     if device == "cuda":
         tuned["devices"] = {**tuning.table().get("devices", {}), card: {"bf16": table}}
     meta = {"N": N, "vocabs": list(vocabs), "families": list(families), "dtype": "bfloat16", "card": card,

@@ -215,14 +215,21 @@ class _GrpoGradInForward(torch.autograd.Function):
         inp = p.Inputs(*inputs)
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         folded = _one_launch(tokens, labels)
-        w = impl.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not folded else None
-        if folded:
-            _val, _coef, _lse, aux, loss, met, w = impl.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
-                                                                  grad_out=grad)
+        # on sm_90, where measured faster: the row held on chip by a thread-block cluster (ops/cluster.py)
+        cluster = None
+        if logits.device.type in impl.CLUSTER_DEVICES:
+            cluster = impl.grpo_cluster(logits, labels, ref, p, inp, grad, tokens)
+        if cluster is not None:
+            aux, loss, met, w = cluster
         else:
-            val, _coef, _lse, aux = impl.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
-                                                     segs=tokens)
-            loss, met, _w = impl.grpo_finalize(val, aux, labels, p, inp)
+            w = impl.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not folded else None
+            if folded:
+                _val, _coef, _lse, aux, loss, met, w = impl.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
+                                                                      grad_out=grad)
+            else:
+                val, _coef, _lse, aux = impl.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
+                                                         segs=tokens)
+                loss, met, _w = impl.grpo_finalize(val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(grad, *((labels, w, aux, ref, loss, *inputs) if owed else ()))
         ctx.cfg = (p, len(inputs), owed)

@@ -292,7 +292,7 @@ def _resolve(dotted):
     """``hk.fused.dpo`` (or ``humanline_kernels...``, or a module attribute such as ``bench.bench_e2e.ARMS``);
     ``torch.ops.humanline``: the names of the custom ops the package registers."""
     if dotted == "torch.ops.humanline":
-        for mod in ("logprobs", "token_terms", "dpo", "kto", "grpo", "sequence"):
+        for mod in ("logprobs", "token_terms", "dpo", "kto", "grpo", "sequence", "cluster"):
             importlib.import_module("humanline_kernels.ops." + mod)
         return sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("humanline::"))
     if dotted.startswith("hk."):
