@@ -90,9 +90,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def parity(N, V, D, device="cuda"):
+def parity(N, V, D, device="cuda", only=None):
     """Every fused path against hk.reference at one big shape; returns rows with errors and a pass flag
-    (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/test_bench_cli.py runs it)."""
+    (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/test_bench_cli.py runs it;
+    ``only``: the rows whose name contains one of these strings, e.g. ``["cluster"]`` in a device call's script)."""
     import humanline_kernels as hk
     dev, bf = device, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -112,6 +113,8 @@ def parity(N, V, D, device="cuda"):
 
     def check(name, loss_fn, ref_fn, wrt_bf, *, logp=False, logp_tol=2e-3):
         """loss_fn(leaf) -> (loss or logp); ref_fn(leaf_f32) -> same from the reference; gradients compared."""
+        if only and not any(s in name for s in only):
+            return
         leaf = wrt_bf.detach().clone().requires_grad_()
         out = loss_fn(leaf)
         leaf_r = wrt_bf.detach().float().requires_grad_()
@@ -143,6 +146,8 @@ def parity(N, V, D, device="cuda"):
 
     def on_the_cluster(name, loss_fn, ref_fn, wrt_bf):
         """A row with the cluster kernel forced (4 CTAs of 256 threads a row); it fails if that kernel did not run."""
+        if only and not any(s in name for s in only):
+            return
         before = _jit.LAUNCHES[("compiled", "gif_cluster")]
         with cluster.forced(4, 256):
             check(name, loss_fn, ref_fn, wrt_bf)

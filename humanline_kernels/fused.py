@@ -372,7 +372,9 @@ def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsi
     ``loss_type``. The backward multiplies the stored gradient by ``grad_output`` in place with a kernel that
     reads ``grad_output`` on the device and does nothing when it is 1 (no host sync, no extra pass in the usual
     case). The gradient buffer is new (``inplace_backward=False``) or the logits themselves (``True``: the
-    logits are overwritten already during the forward). Backward may then run only once for this loss.
+    logits are overwritten already during the forward). Backward may then run only once for this loss. On sm_90
+    cards for which a GPU run measured it faster (the tuned table), a thread-block cluster kernel forms the same
+    gradient with the row held on chip (docs/kernels.md); elsewhere the Triton kernel does.
     """
     p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                       loss_type=loss_type, normalizer=normalizer,

@@ -120,12 +120,39 @@ def test_rows_it_takes(V, dtype, ctas, ok):
     assert cluster.fits(meta(V, dtype), None, ctas) is ok
 
 
-def test_rows_it_takes_need_aligned_rows_and_grad():
+def test_rows_it_takes_need_rows_16_bytes_apart():
     x = torch.zeros(2, 5, 136, dtype=torch.bfloat16)
-    assert cluster.fits(x, None, 4) and cluster.fits(x[:, :-1], None, 4)
-    assert not cluster.fits(x[..., 1:129], None, 4)  # rows start 2 bytes past 16
-    assert not cluster.fits(x, torch.zeros(2 * 5 * 136 + 1, dtype=torch.bfloat16)[1:].view(2, 5, 136), 4)
+    assert cluster.fits(x, None, 4) and cluster.fits(x[:, :-1], None, 4) and cluster.fits(x, x, 4)
+    assert not cluster.fits(torch.zeros(2, 5, 132, dtype=torch.bfloat16)[..., :128], None, 4)  # rows 264 B apart
+    assert not cluster.fits(x, torch.zeros(2, 5, 140, dtype=torch.bfloat16)[..., :136], 4)  # the gradient's rows
     assert not cluster.fits(x[:, :0], None, 4)  # no rows
+    # a pointer off 16 bytes (only real tensors have one: under torch.compile the launcher checks it)
+    assert cluster.fits(x[..., 1:129], None, 4)
+
+
+def test_rows_off_16_bytes_take_the_triton_row_kernel_in_the_launcher(monkeypatch):
+    """A pointer that is not 16-byte aligned reaches the launcher only under torch.compile (``fits`` sees fake
+    tensors there): it writes the same planes and gradient with Triton's row kernel instead of the CUDA one."""
+    x, y, ref = _data(2, 4, 136, torch.bfloat16, seed=6)
+    logits = x[..., 1:129]  # 2 bytes past 16
+    assert logits.data_ptr() % 16
+    adv, w = torch.tensor([1.0, -0.5]), torch.tensor([0.125, 0.25])
+    outs = []
+    for launch in (cluster._grpo_cluster_out.fn, TK._token_terms_out.fn):
+        planes = [torch.zeros(2, 4) for _ in range(3)] + [torch.zeros(5, 2, 4)]
+        grad = torch.zeros(logits.shape, dtype=logits.dtype)
+        kw = dict(logits=logits[:, :-1], labels=y.clamp(max=127), ref=ref, kl_ref=None, advantages=adv,
+                  row_weight=w, grad=grad[:, :-1], grad_inplace=False, val=planes[0], coef=planes[1],
+                  lse=planes[2], aux=planes[3], tok=None, clip=True, log_eps_p=-1.5, log_eps_r=1.5, ratio_low=0.8,
+                  ratio_high=1.2, beta=0.04, inv_temperature=1.0, ignore_index=-100)
+        if launch is cluster._grpo_cluster_out.fn:
+            launch(**kw, ctas=4, threads=256)
+        else:
+            launch(**kw, terms=2, n0=8, off0=0, off1=0)
+        outs.append((planes, grad))
+    for a, b in zip(outs[0][0] + [outs[0][1]], outs[1][0] + [outs[1][1]]):
+        assert torch.equal(a, b)
+    assert outs[0][1].abs().sum() > 0
 
 
 @pytest.mark.parametrize("V,es,ctas", [(128256, 2, 4), (151936, 2, 8), (32000, 2, 2), (100, 4, 8), (16, 2, 8),

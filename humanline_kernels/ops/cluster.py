@@ -38,8 +38,10 @@ from torch import Tensor
 from . import _nvrtc, tuning
 from ._jit import LAUNCHES, custom_op, jit, launcher
 from .common import as_f32, band, device_guard, logits_rows, loss_outputs, register_budget
+from .constants import Terms
 from .fold import arrive, fold_config, planes, reset_counters_if_interpreted, tile_sums, workspace
 from .grpo import _grpo_tail, _normalizer, _normalizer_kind, grpo_finalize
+from .token_terms import _token_terms_launch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gif_cluster.cu")
 ARCH = "sm_90a"
@@ -150,23 +152,23 @@ def arch_ok(device: torch.device) -> bool:
 
 
 def fits(logits: Tensor, grad: Optional[Tensor], ctas: int) -> bool:
-    """Whether the rows of ``logits`` (and of ``grad``) suit the kernel: a dtype it has, rows that start 16-byte
-    aligned and are a whole number of 16-byte vectors (the bulk copies and the vector stores), a slice that fits in
-    shared memory, at least one row, and a grid within the driver's 2^31 - 1 blocks."""
+    """Whether the rows of ``logits`` (and of ``grad``) suit the kernel: a dtype it has, rows a whole number of
+    16-byte vectors 16 bytes apart (the bulk copies and the vector stores), a slice that fits in shared memory, at
+    least one row, and a grid within the driver's 2^31 - 1 blocks. (The data pointers' own alignment is the
+    launcher's to check: under torch.compile this runs on fake tensors, which have none.)"""
     if logits.dtype not in DTYPES or logits.numel() == 0:
         return False
     V, es = logits.shape[-1], logits.element_size()
-    if (V * es) % 16 or not _rows_16_bytes(logits) or (grad is not None and grad is not logits
-                                                       and not _rows_16_bytes(grad)):
+    if (V * es) % 16 or not _strides_16_bytes(logits) or (grad is not None and not _strides_16_bytes(grad)):
         return False
     if slice_elements(V, es, ctas) * es + STATIC_SMEM > SMEM_OPTIN:
         return False
     return (logits.numel() // V) * ctas < 2**31
 
 
-def _rows_16_bytes(t: Tensor) -> bool:
-    """Whether every row of ``t [..., V]`` starts on a 16-byte boundary (pointer and row strides in bytes)."""
-    bits = t.data_ptr()
+def _strides_16_bytes(t: Tensor) -> bool:
+    """Whether the rows of ``t [..., V]`` are 16 bytes apart (every stride but the last, in bytes)."""
+    bits = 0
     for st in t.stride()[:-1]:
         bits |= st * t.element_size()
     return bits % 16 == 0
@@ -244,9 +246,17 @@ def _grpo_cluster_launch(logits: Tensor, labels: Tensor, ref: Tensor, kl_ref: Op
                          lse: Tensor, aux: Tensor, tok: Optional[Tensor], clip: bool, log_eps_p: float,
                          log_eps_r: float, ratio_low: float, ratio_high: float, beta: float, inv_temperature: float,
                          ignore_index: int, ctas: int, threads: int) -> None:
+    g = logits if grad_inplace else grad
+    if (logits.data_ptr() | g.data_ptr()) % 16:  # rows that do not start on 16 bytes: Triton's row kernel, which
+        _token_terms_launch(                     # writes the same planes and gradient
+            logits=logits, labels=labels, ref=ref, kl_ref=kl_ref, advantages=advantages, row_weight=row_weight,
+            grad=grad, grad_inplace=grad_inplace, val=val, coef=coef, lse=lse, aux=aux, terms=int(Terms.GRPO),
+            clip=clip, log_eps_p=log_eps_p, log_eps_r=log_eps_r, ratio_low=ratio_low, ratio_high=ratio_high,
+            beta=beta, inv_temperature=inv_temperature, ignore_index=ignore_index, n0=0 if tok is not None else
+            labels.numel(), off0=0, off1=0, tok=tok)
+        return
     T = labels.shape[1]
     rows, x_sb, x_st = logits_rows(logits, T)
-    g = logits if grad_inplace else grad
     _, g_sb, g_st = logits_rows(g, T)
     V, es = logits.shape[-1], logits.element_size()
     dt = DTYPES[logits.dtype]
