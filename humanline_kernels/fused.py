@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _eager, _layout, _objectives, _validation, losses, ops
+from . import _eager, _layout, _objectives, _tp, _validation, losses, ops
 from ._params import (
     DPO,
     GRPO,
@@ -82,10 +82,14 @@ class _TokenLogprobs(torch.autograd.Function):
     (``kernels``)."""
 
     @staticmethod
-    def forward(ctx, p, return_entropy, inplace, kernels, logits, labels):
+    def forward(ctx, p, return_entropy, inplace, kernels, sh, logits, labels):
         LP = _kernels() if kernels else _eager
+        if sh is not None:  # this rank's slice of the vocabulary: its own labels, then the slices' stats combined
+            labels, given = sh.labels, labels
         l3, y3 = _as_3d(logits, labels)
         logp, lse, ent = LP.logprobs_fwd(l3, y3, p.temperature, p.ignore_index, return_entropy)
+        if sh is not None:
+            logp, lse, ent = _tp.combine(sh, _as_3d(logits, given)[1], p.ignore_index, logp, lse, ent)
         ctx.save_for_backward(logits, labels, lse, ent)
         ctx.cfg = (p, inplace, LP)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
@@ -96,7 +100,7 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         if grad_logp is None and grad_ent is None:
-            return (None,) * 6
+            return (None,) * 7
         logits, labels, lse, ent = ctx.saved_tensors
         p, inplace, LP = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
@@ -116,12 +120,12 @@ class _TokenLogprobs(torch.autograd.Function):
         # input tensor itself, and a new gradient of the caller's shape as it is
         if l3 is not logits or d is logits:
             d = d.view(logits.shape)
-        return None, None, None, None, d, None
+        return None, None, None, None, None, d, None
 
 
 @options(Tokens)
 def token_logprobs(logits, labels, *, temperature, ignore_index, return_entropy=False, inplace_backward=False,
-                   validate=True):
+                   validate=True, process_group=None):
     """Per-token ``log_softmax(logits / temperature)[labels]`` in fp32, shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``logits``. With ``return_entropy=True`` returns ``(logps, entropy)``, the
@@ -129,12 +133,20 @@ def token_logprobs(logits, labels, *, temperature, ignore_index, return_entropy=
     an entropy bonus trains through it, as with TRL's head). ``inplace_backward=True`` (opt-in) writes the
     gradient into ``logits``' own storage: the logits must not be used afterwards (their version counter is
     bumped). ``validate=False`` skips the label range check, the only check that synchronises with the device.
+
+    ``process_group`` (a ``torch.distributed.ProcessGroup``): ``logits [..., V_r]`` are this rank's contiguous slice
+    of the vocabulary, slices in rank order (sizes may differ), ``labels`` the global ids, equal on every rank; the
+    log-probs and entropy are the whole vocabulary's, equal on every rank, and the gradient is this slice's part of
+    the unsharded one (the upstream gradient must be the same on every rank). Two all-gathers a call, none in the
+    backward: docs/tensor_parallel.md.
     """
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    _validation.check_logits(logits, labels, p, validate, return_entropy=return_entropy,
+    sharded = _tp.check_group(process_group) > 1
+    _validation.check_logits(logits, labels, p, validate, label_range=not sharded, return_entropy=return_entropy,
                              inplace_backward=inplace_backward)
     kernels = ops.use_kernels(logits)
-    logp, ent = _TokenLogprobs.apply(p, return_entropy, inplace_backward, kernels, logits, labels)
+    sh = _tp.shard(process_group, logits.shape[-1], labels, ignore_index, validate) if sharded else None
+    logp, ent = _TokenLogprobs.apply(p, return_entropy, inplace_backward, kernels, sh, logits, labels)
     return (logp, ent) if return_entropy else logp
 
 
@@ -310,9 +322,10 @@ def _eager_logps(p, logits, labels, ref_logps, lay=None):
     """Eager differentiable log-probs (fp64 for fp64 inputs) and the mask (``lay``: a packed batch's ``(map,
     packed labels)``: the log-probs of the stream, then moved to the padded rows)."""
     if lay is None:
-        logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
+        logps = _TokenLogprobs.apply(p, False, False, False, None, logits, labels)[0]
     else:
-        logps = _layout.unpack(_TokenLogprobs.apply(p, False, False, False, logits, lay[1].reshape(-1))[0], lay[0], 0.0)
+        logps = _TokenLogprobs.apply(p, False, False, False, None, logits, lay[1].reshape(-1))[0]
+        logps = _layout.unpack(logps, lay[0], 0.0)
     if ref_logps is not None:
         logps = logps.to(ref_logps.dtype)
     return logps, labels != p.ignore_index
