@@ -161,3 +161,130 @@ def test_process_group_needs_torch_distributed():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
         hk.token_logprobs(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), process_group=object())
+
+
+# ---------------------------------------------------------------------------------------------------------- losses
+B, T = 4, 6
+CLIP = hk.HumanlineClip(-0.4, 0.5)  # narrow enough that some tokens leave the band
+
+
+def _loss_cases(g, labels):
+    """``(name, args after labels, keywords, the reference on log-probs, inputs whose gradient is compared)``."""
+    mask = labels != -100
+    ref = (-3.5 + 0.8 * torch.randn(B, T, generator=g)).requires_grad_()
+    adv = torch.randn(B, generator=g).requires_grad_()
+    adv_t = torch.randn(B, T, generator=g)
+    kl_ref = -3.5 + 0.8 * torch.randn(B, T, generator=g)
+    des = torch.tensor([True, False, True, False])
+    kl = (-3.5 + 0.5 * torch.randn(3, T, generator=g), -3.5 + 0.5 * torch.randn(3, T, generator=g),
+          torch.rand(3, T, generator=g) < 0.8)
+    R = hk.reference
+    return [
+        ("grpo", (ref, adv), dict(clip=CLIP), lambda lp, kw: R.grpo(lp, ref, adv, mask, **kw), (ref, adv)),
+        ("grpo", (ref, adv_t), dict(loss_type="grpo", beta=0.04, kl_ref_logps=kl_ref, clip=None),
+         lambda lp, kw: R.grpo(lp, ref, adv_t, mask, **kw), ()),
+        ("grpo", (ref, adv), dict(loss_type="dr_grpo", max_completion_length=T, temperature=0.7, clip=CLIP),
+         lambda lp, kw: R.grpo(lp, ref, adv, mask, **kw), ()),
+        ("grpo", (ref, adv), dict(loss_type="bnpo", epsilon_high=0.3), lambda lp, kw: R.grpo(lp, ref, adv, mask, **kw),
+         (ref,)),
+        ("dpo", (ref,), dict(clip=CLIP), lambda lp, kw: R.dpo(lp, ref, mask, **kw), (ref,)),
+        ("dpo", (ref,), dict(label_smoothing=0.1, clip=None, temperature=0.7),
+         lambda lp, kw: R.dpo(lp, ref, mask, **kw), ()),
+        ("dpo", (ref,), dict(loss_type="ipo", clip=CLIP), lambda lp, kw: R.dpo(lp, ref, mask, **kw), ()),
+        ("kto", (ref, des, *kl), dict(clip=CLIP), lambda lp, kw: R.kto(lp, ref, mask, des, *kl, **kw), (ref,)),
+        ("kto", (ref, des), dict(loss_type="apo_zero_unpaired"), lambda lp, kw: R.kto(lp, ref, mask, des, **kw), ()),
+        ("sequence_logratios", (ref,), dict(normalize=True, clip=CLIP),
+         lambda lp, kw: R.sequence_logratios(lp, ref, mask, **kw), ()),
+        ("ipo", (ref,), dict(clip=CLIP), lambda lp, kw: R.ipo(lp, ref, mask, **kw), ()),
+        ("simpo", (), dict(clip=CLIP), lambda lp, kw: R.simpo(lp, mask, **kw), ()),
+        ("slic", (), dict(temperature=0.7), lambda lp, kw: R.slic(lp, mask, **kw), ()),
+    ]
+
+
+def _flat(res):
+    """A loss's ``(loss, metrics)`` (the sequence primitive's ``(s, policy_sums, metrics)``) as ``(tensors,
+    metrics)``."""
+    *outs, metrics = res
+    return outs, metrics
+
+
+def _backward(outs, g):
+    torch.manual_seed(0)
+    sum(((o * torch.randn(o.shape, generator=g)).sum() for o in outs)).backward()
+
+
+def _compare(got, want, tol, what):
+    (outs, met), (w_outs, w_met) = _flat(got), _flat(want)
+    assert sorted(met) == sorted(w_met), what
+    for a, b in zip(outs, w_outs):
+        close(a.detach().to(b.dtype), b.detach(), tol, what)
+    for k in met:
+        close(met[k].to(w_met[k].dtype), w_met[k], tol, f"{what}: {k}")
+
+
+def _grads(inputs):
+    out = []
+    for t in inputs:
+        out.append(None if t.grad is None else t.grad.clone())
+        t.grad = None
+    return out
+
+
+def _fused_worker(rank, world):
+    group = dist.group.WORLD
+    s, e = _bounds(world, rank)
+    n = 0
+    # (path, variant, every how many-th case runs it): every case on the kernels in fp32, the others on some
+    for kernels, variant, every in ((True, "fp32", 1), (True, "bf16", 3), (True, "inplace", 3), (True, "packed", 2),
+                                    (False, "fp32", 2)):
+        g = torch.Generator().manual_seed(100 + n)
+        dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+        labels = _labels(g, (B, T), -100)
+        full = (3 * torch.randn(B, T, V, generator=g)).to(dtype)
+        cases = _loss_cases(g, labels)
+        for name, args, kw, oracle, owed in cases:
+            if n % every:
+                n += 1
+                continue
+            n += 1
+            what = f"{kernels=} {variant} {name} {kw}"
+            fn = getattr(hk.fused, name)
+            extra = dict(inplace_backward=True) if variant == "inplace" else {}
+            x, y, a = full, labels, lambda: args
+            if variant == "packed":  # the padded rows as one stream, each row's first (ignored) token dropped
+                keep = torch.ones(B, T, dtype=torch.bool)
+                keep[:, 0] = False
+                x, y = full[keep].unsqueeze(0), labels[keep].unsqueeze(0)
+
+                def a(keep=keep, args=args):  # (a graph of its own for each call)
+                    return tuple(t[keep].unsqueeze(0) if isinstance(t, torch.Tensor) and t.shape == (B, T) else t
+                                 for t in args)
+                kw = {k: v[keep].unsqueeze(0) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+                extra = dict(packed=hk.Packed(list(range(0, B * T - B + 1, T - 1))))
+                if name == "kto" and len(args) > 2:
+                    continue
+            gg = torch.Generator().manual_seed(n)
+            _grads([t for t in args if isinstance(t, torch.Tensor) and t.requires_grad])  # (another case's)
+            with _path(kernels):
+                want_x = x.detach().clone().requires_grad_()
+                want = fn(want_x, y, *a(), **kw, **extra)
+                _backward(_flat(want)[0], gg)
+                want_grads = _grads(owed)
+                local = x[..., s:e].detach().clone().requires_grad_()
+                xx = local.clone() if variant == "inplace" else local
+                got = fn(xx, y, *a(), **kw, **extra, process_group=group)
+                _backward(_flat(got)[0], torch.Generator().manual_seed(n))
+                got_grads = _grads(owed)
+            _compare(got, want, 2e-5 if dtype == torch.float32 else 1e-4, what)
+            close(local.grad.float(), want_x.grad[..., s:e].float(), 2e-5 if dtype == torch.float32 else 2e-2, what)
+            for a_, b_ in zip(got_grads, want_grads):
+                close(a_, b_, 2e-5, what + " (input gradient)")
+            if variant == "fp32" and kernels:  # and the ground truth, on the log-probs of the whole vocabulary
+                lp = hk.reference.token_logprobs(full, labels, temperature=kw.get("temperature", 1.0))
+                rkw = {k: v for k, v in kw.items() if k != "temperature"}
+                _compare(got, oracle(lp, rkw), 1e-4, what + " vs hk.reference")
+    assert n == 5 * 13
+
+
+def test_fused_losses_sharded_equal_unsharded():
+    run(_fused_worker)
