@@ -103,7 +103,8 @@ def combine(sh: Shard, labels: Tensor, ignore_index: int, logp: Tensor, lse: Ten
     """``(logp, lse, entropy or None)`` of the whole vocabulary, shaped like ``labels`` (the global ids), from this
     rank's ``logp``, ``lse`` (and ``ent``) of its slice (its kernels' outputs for ``sh.labels``): one all-gather of
     2 (3) floats a token, then the same arithmetic on every rank (module docstring)."""
-    mine_logp = torch.where((sh.labels >= 0) & (sh.labels != ignore_index), logp, 0.0)  # its kernel: NaN elsewhere
+    local = sh.labels.reshape(labels.shape)
+    mine_logp = torch.where((local >= 0) & (local != ignore_index), logp, 0.0)  # its kernel: NaN elsewhere
     parts = [lse, mine_logp] + ([] if ent is None else [ent])
     every = _gather(torch.stack(parts), sh.group)  # [W, K, *labels.shape]
     lse_r = every[:, 0]

@@ -288,3 +288,135 @@ def _fused_worker(rank, world):
 
 def test_fused_losses_sharded_equal_unsharded():
     run(_fused_worker)
+
+
+# ------------------------------------------------------------------------------------------------ the hidden level
+D = 8
+
+
+def _hidden_inputs(g, dtype, bias):
+    h = torch.randn(B, T, D, generator=g).to(dtype)
+    w = (torch.randn(V, D, generator=g) / 2).to(dtype)
+    return h, w, (torch.randn(V, generator=g) / 2).to(dtype) if bias else None
+
+
+def _leaves(h, w, b, s=None, e=None):
+    """Leaf copies of ``hidden``, the weight (and bias) or their slice ``[s, e)`` of the vocabulary."""
+    sl = slice(s, e)
+    return (h.detach().clone().requires_grad_(), w[sl].detach().clone().requires_grad_(),
+            None if b is None else b[sl].detach().clone().requires_grad_())
+
+
+def _check_linear_grads(got, want, s, e, tol, what):
+    """The weight's (bias') gradient is the slice of the unsharded one; the hidden states' is this rank's part: the
+    parts all-reduced (what Megatron's column-parallel region does in its backward) are the unsharded gradient."""
+    (h, w, b), (wh, ww, wb) = got, want
+    close(w.grad.float(), ww.grad[s:e].float(), tol, what + " dW")
+    if b is not None:
+        close(b.grad.float(), wb.grad[s:e].float(), tol, what + " db")
+    dh = h.grad.float()
+    dist.all_reduce(dh)
+    close(dh, wh.grad.float(), tol, what + " dh (all-reduced)")
+
+
+def _linear_logprobs_worker(rank, world):
+    group = dist.group.WORLD
+    s, e = _bounds(world, rank)
+    n = 0
+    for kernels, dtype, entropy, layout in itertools.product(
+            (True, False), (torch.float32, torch.bfloat16), (False, True), ("dense", "supervised", "packed")):
+        if not kernels and (dtype == torch.bfloat16 or layout != "dense"):
+            continue
+        g = torch.Generator().manual_seed(200 + n)
+        n += 1
+        h, w, b = _hidden_inputs(g, dtype, bias=n % 2 == 0)
+        y = _labels(g, (B, T), -100)
+        temperature = (1.0, 0.7)[n % 2]
+        kw = dict(temperature=temperature, return_entropy=entropy, chunk_bytes=5 * V * h.element_size())  # chunks
+        if layout == "supervised":
+            rng = [[1, 4], [0, 0], [2, 6], [0, 5]]
+            for r, (a, z) in enumerate(rng):
+                y[r, :a], y[r, z:] = -100, -100
+            kw["supervised"] = rng
+        if layout == "packed":
+            h, y = h.reshape(1, B * T, D), y.reshape(1, B * T)
+            kw["packed"] = hk.Packed([0, 5, 5, 13, B * T])
+        gl, gh = torch.randn(y.shape, generator=g), torch.randn(y.shape, generator=g)
+        what = f"{kernels=} {dtype} {entropy=} {layout} bias={b is not None}"
+        with _path(kernels):
+            want_in = _leaves(h, w, b)
+            want = hk.fused_linear.token_logprobs(want_in[0], want_in[1], y, bias=want_in[2], **kw)
+            got_in = _leaves(h, w, b, s, e)
+            got = hk.fused_linear.token_logprobs(got_in[0], got_in[1], y, bias=got_in[2], process_group=group, **kw)
+        want, got = (want, got) if entropy else ((want,), (got,))
+        for a, c in zip(got, want):
+            close(a, c, 1e-5, what)
+        ((got[0] * gl).sum() + ((got[1] * gh).sum() if entropy else 0)).backward()
+        ((want[0] * gl).sum() + ((want[1] * gh).sum() if entropy else 0)).backward()
+        _check_linear_grads(got_in, want_in, s, e, 1e-5 if dtype == torch.float32 else 3e-2, what)
+    assert n == 14
+
+
+def test_fused_linear_token_logprobs_sharded_equal_unsharded():
+    run(_linear_logprobs_worker)
+
+
+def _linear_losses_worker(rank, world):
+    group = dist.group.WORLD
+    s, e = _bounds(world, rank)
+    n = 0
+    for kernels, variant, every in ((True, "fp32", 1), (True, "bf16", 3), (True, "supervised", 3),
+                                    (True, "packed", 3), (False, "fp32", 2)):
+        g = torch.Generator().manual_seed(300 + n)
+        dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+        labels = _labels(g, (B, T), -100)
+        h, w, b = _hidden_inputs(g, dtype, bias=variant != "packed")
+        for name, args, kw, oracle, owed in _loss_cases(g, labels):
+            n += 1
+            if (n - 1) % every or (variant == "packed" and name == "kto" and len(args) > 2):
+                continue
+            fn = getattr(hk.fused_linear, name)
+            x, y, a = h, labels, lambda: args
+            extra = dict(chunk_bytes=2 * T * V * h.element_size())  # two rows a chunk: DPO's pairs in two chunks
+            if variant == "supervised":
+                rng = [[1, 6], [2, 5], [1, 4], [3, 6]]
+                y = labels.clone()
+                for r, (a0, z) in enumerate(rng):
+                    y[r, :a0], y[r, z:] = -100, -100
+                extra["supervised"] = rng
+            if variant == "packed":
+                keep = torch.ones(B, T, dtype=torch.bool)
+                keep[:, 0] = False
+                x, y = h[keep].unsqueeze(0), labels[keep].unsqueeze(0)
+
+                def a(keep=keep, args=args):
+                    return tuple(t[keep].unsqueeze(0) if isinstance(t, torch.Tensor) and t.shape == (B, T) else t
+                                 for t in args)
+                kw = {k: v[keep].unsqueeze(0) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+                extra["packed"] = hk.Packed(list(range(0, B * T - B + 1, T - 1)))
+            what = f"{kernels=} {variant} {name} {kw}"
+            _grads([t for t in args if isinstance(t, torch.Tensor) and t.requires_grad])
+            with _path(kernels):
+                want_in = _leaves(x, w, b)
+                want = fn(want_in[0], want_in[1], y, *a(), bias=want_in[2], **kw, **extra)
+                _backward(_flat(want)[0], torch.Generator().manual_seed(n))
+                want_grads = _grads(owed)
+                got_in = _leaves(x, w, b, s, e)
+                got = fn(got_in[0], got_in[1], y, *a(), bias=got_in[2], **kw, **extra, process_group=group)
+                _backward(_flat(got)[0], torch.Generator().manual_seed(n))
+                got_grads = _grads(owed)
+            tol = 2e-5 if dtype == torch.float32 else 1e-4
+            _compare(got, want, tol, what)
+            _check_linear_grads(got_in, want_in, s, e, tol if dtype == torch.float32 else 3e-2, what)
+            for a_, b_ in zip(got_grads, want_grads):
+                close(a_, b_, tol, what + " (input gradient)")
+            if variant == "fp32" and kernels:  # and the ground truth
+                logits = h @ w.T + b
+                lp = hk.reference.token_logprobs(logits, y, temperature=kw.get("temperature", 1.0))
+                rkw = {k: v for k, v in kw.items() if k != "temperature"}
+                _compare(got, oracle(lp, rkw), 1e-4, what + " vs hk.reference")
+    assert n == 5 * 13
+
+
+def test_fused_linear_losses_sharded_equal_unsharded():
+    run(_linear_losses_worker)
