@@ -222,6 +222,19 @@ def _compare(got, want, tol, what):
         close(met[k].to(w_met[k].dtype), w_met[k], tol, f"{what}: {k}")
 
 
+def _packed(x, labels, args, kw, extra):
+    """A case's inputs as a packed batch: the padded rows as one stream, each row's first (ignored) token dropped.
+    ``(x, labels, args(), kw, extra)``; ``args()`` makes the per-token inputs anew for each call (a graph each)."""
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[:, 0] = False
+
+    def per_token():
+        return tuple(t[keep].unsqueeze(0) if isinstance(t, torch.Tensor) and t.shape == (B, T) else t for t in args)
+    kw = {k: v[keep].unsqueeze(0) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    return (x[keep].unsqueeze(0), labels[keep].unsqueeze(0), per_token, kw,
+            dict(extra, packed=hk.Packed(list(range(0, B * T - B + 1, T - 1)))))
+
+
 def _grads(inputs):
     out = []
     for t in inputs:
@@ -234,8 +247,8 @@ def _fused_worker(rank, world, quick=False):
     group = dist.group.WORLD
     s, e = _bounds(world, rank)
     n = 0
-    # (path, variant, every how many-th case runs it): every case on the kernels in fp32, the others on some
-    # every case on the eager path, some on the (interpreted, slow) kernels
+    # (path, variant, every how many-th case runs it): every case on the eager path, some on the (interpreted,
+    # slow) kernels
     variants = ((False, "fp32", 1), (True, "fp32", 6)) if quick else (
         (False, "fp32", 1), (False, "bf16", 2), (False, "inplace", 2), (False, "packed", 1), (True, "fp32", 3),
         (True, "bf16", 6), (True, "inplace", 6), (True, "packed", 6))
@@ -254,16 +267,8 @@ def _fused_worker(rank, world, quick=False):
             fn = getattr(hk.fused, name)
             extra = dict(inplace_backward=True) if variant == "inplace" else {}
             x, y, a = full, labels, lambda: args
-            if variant == "packed":  # the padded rows as one stream, each row's first (ignored) token dropped
-                keep = torch.ones(B, T, dtype=torch.bool)
-                keep[:, 0] = False
-                x, y = full[keep].unsqueeze(0), labels[keep].unsqueeze(0)
-
-                def a(keep=keep, args=args):  # (a graph of its own for each call)
-                    return tuple(t[keep].unsqueeze(0) if isinstance(t, torch.Tensor) and t.shape == (B, T) else t
-                                 for t in args)
-                kw = {k: v[keep].unsqueeze(0) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-                extra = dict(packed=hk.Packed(list(range(0, B * T - B + 1, T - 1))))
+            if variant == "packed":
+                x, y, a, kw, extra = _packed(full, labels, args, kw, {})
                 if name == "kto" and len(args) > 2:
                     continue
             gg = torch.Generator().manual_seed(n)
@@ -388,15 +393,7 @@ def _linear_losses_worker(rank, world, quick=False):
                     y[r, :a0], y[r, z:] = -100, -100
                 extra["supervised"] = rng
             if variant == "packed":
-                keep = torch.ones(B, T, dtype=torch.bool)
-                keep[:, 0] = False
-                x, y = h[keep].unsqueeze(0), labels[keep].unsqueeze(0)
-
-                def a(keep=keep, args=args):
-                    return tuple(t[keep].unsqueeze(0) if isinstance(t, torch.Tensor) and t.shape == (B, T) else t
-                                 for t in args)
-                kw = {k: v[keep].unsqueeze(0) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-                extra["packed"] = hk.Packed(list(range(0, B * T - B + 1, T - 1)))
+                x, y, a, kw, extra = _packed(h, labels, args, kw, extra)
             what = f"{kernels=} {variant} {name} {kw}"
             _grads([t for t in args if isinstance(t, torch.Tensor) and t.requires_grad])
             with _path(kernels):
