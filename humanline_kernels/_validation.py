@@ -232,10 +232,11 @@ def check_flags(**flags):
         check_flag(name, v)
 
 
-def check_logits(logits, labels, p, validate, **flags):
+def check_logits(logits, labels, p, validate, *, label_range=True, **flags):
     """``logits [..., V]`` with a contiguous last dimension, ``labels [...]`` int64 on the same device, the
     options ``p`` (temperature, ignore_index), ``validate`` and the call's other ``flags`` (:func:`check_flags`) and,
-    with ``validate``, the label range."""
+    with ``validate``, the label range (``label_range=False``: a vocabulary slice, whose call checks the labels
+    against the whole vocabulary, :func:`humanline_kernels._tp.shard`)."""
     check_flags(validate=validate, **flags)
     check_tensor("logits", logits, dtypes=LOGITS_DTYPES)
     if logits.dim() < 2:
@@ -250,7 +251,7 @@ def check_logits(logits, labels, p, validate, **flags):
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without V), got {shape_of(labels)}")
     check_tokens(p)
-    if validate:
+    if validate and label_range:
         check_label_range(labels, logits.shape[-1], p.ignore_index)
 
 
@@ -264,15 +265,15 @@ def check_ref(p, ref_logps, labels):
         check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
 
 
-def check_logits_loss(logits, labels, ref_logps, p, validate, **flags):
+def check_logits_loss(logits, labels, ref_logps, p, validate, *, label_range=True, **flags):
     """:func:`check_logits` for a loss: ``logits [B, T, V]``, ``ref_logps`` (:func:`check_ref`)."""
-    check_logits(logits, labels, p, validate, **flags)
+    check_logits(logits, labels, p, validate, label_range=label_range, **flags)
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape [B, T] (logits [B, T, V]) for a loss, got {list(labels.shape)}")
     check_ref(p, ref_logps, labels)
 
 
-def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, **flags):
+def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, *, label_range=True, **flags):
     """``hidden [..., D]``, ``weight [V, D]`` and ``bias [V]`` of one dtype and device, ``labels`` shaped like
     ``hidden`` without ``D``, the options ``p``, a positive ``chunk_bytes``, ``validate`` and the call's other
     ``flags`` (:func:`check_flags`) and, with ``validate``, the labels."""
@@ -297,7 +298,7 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, **flags
     check_tokens(p)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    if validate:
+    if validate and label_range:  # (a vocabulary slice: its call checks them against the whole vocabulary)
         check_label_range(labels, weight.shape[0], p.ignore_index)
 
 
@@ -308,9 +309,9 @@ def check_supervised(labels, covered, ignore_index):
                  "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)")
 
 
-def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
+def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate, *, label_range=True):
     """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` (:func:`check_ref`)."""
-    check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+    check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, label_range=label_range)
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {shape_of(hidden)}")
     check_ref(p, ref_logps, labels)

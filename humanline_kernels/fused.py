@@ -22,12 +22,19 @@ own storage (zero extra memory; the logits must be an intermediate that nothing 
 lm_head output; their version counter is bumped so a later use fails loudly instead of reading garbage).
 GRPO's ``grad_in_forward=True`` forms the gradient during the forward pass, see :func:`grpo`.
 ``validate=False`` skips the label range check, the only check that synchronises with the device.
+``process_group`` (every function): the logits are this rank's slice of the vocabulary (tensor parallelism,
+:mod:`humanline_kernels._tp`, docs/tensor_parallel.md): the sharded log-probs, then the loss's math of the eager
+path (:func:`humanline_kernels.losses.compute`) on them, the same on every rank; the backward is one launch a rank
+over its slice, no collective (GRPO's ``grad_in_forward`` is not taken then: the gradient is formed in the
+backward).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from . import _eager, _layout, _objectives, _validation, losses, ops
+from . import _eager, _layout, _objectives, _tp, _validation, losses, ops
 from ._params import (
     DPO,
     GRPO,
@@ -82,10 +89,14 @@ class _TokenLogprobs(torch.autograd.Function):
     (``kernels``)."""
 
     @staticmethod
-    def forward(ctx, p, return_entropy, inplace, kernels, logits, labels):
+    def forward(ctx, p, return_entropy, inplace, kernels, sh, logits, labels):
         LP = _kernels() if kernels else _eager
+        if sh is not None:  # this rank's slice of the vocabulary: its own labels, then the slices' stats combined
+            labels, given = sh.labels, labels
         l3, y3 = _as_3d(logits, labels)
         logp, lse, ent = LP.logprobs_fwd(l3, y3, p.temperature, p.ignore_index, return_entropy)
+        if sh is not None:
+            logp, lse, ent = _tp.combine(sh, _as_3d(logits, given)[1], p.ignore_index, logp, lse, ent)
         ctx.save_for_backward(logits, labels, lse, ent)
         ctx.cfg = (p, inplace, LP)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
@@ -96,7 +107,7 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         if grad_logp is None and grad_ent is None:
-            return (None,) * 6
+            return (None,) * 7
         logits, labels, lse, ent = ctx.saved_tensors
         p, inplace, LP = ctx.cfg
         l3, y3 = _as_3d(logits, labels)
@@ -116,12 +127,12 @@ class _TokenLogprobs(torch.autograd.Function):
         # input tensor itself, and a new gradient of the caller's shape as it is
         if l3 is not logits or d is logits:
             d = d.view(logits.shape)
-        return None, None, None, None, d, None
+        return None, None, None, None, None, d, None
 
 
 @options(Tokens)
 def token_logprobs(logits, labels, *, temperature, ignore_index, return_entropy=False, inplace_backward=False,
-                   validate=True):
+                   validate=True, process_group=None):
     """Per-token ``log_softmax(logits / temperature)[labels]`` in fp32, shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``logits``. With ``return_entropy=True`` returns ``(logps, entropy)``, the
@@ -129,12 +140,20 @@ def token_logprobs(logits, labels, *, temperature, ignore_index, return_entropy=
     an entropy bonus trains through it, as with TRL's head). ``inplace_backward=True`` (opt-in) writes the
     gradient into ``logits``' own storage: the logits must not be used afterwards (their version counter is
     bumped). ``validate=False`` skips the label range check, the only check that synchronises with the device.
+
+    ``process_group`` (a ``torch.distributed.ProcessGroup``): ``logits [..., V_r]`` are this rank's contiguous slice
+    of the vocabulary, slices in rank order (sizes may differ), ``labels`` the global ids, equal on every rank; the
+    log-probs and entropy are the whole vocabulary's, equal on every rank, and the gradient is this slice's part of
+    the unsharded one (the upstream gradient must be the same on every rank). Two all-gathers a call, none in the
+    backward: docs/tensor_parallel.md.
     """
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    _validation.check_logits(logits, labels, p, validate, return_entropy=return_entropy,
+    sharded = _tp.check_group(process_group) > 1
+    _validation.check_logits(logits, labels, p, validate, label_range=not sharded, return_entropy=return_entropy,
                              inplace_backward=inplace_backward)
     kernels = ops.use_kernels(logits)
-    logp, ent = _TokenLogprobs.apply(p, return_entropy, inplace_backward, kernels, logits, labels)
+    sh = _tp.shard(process_group, logits.shape[-1], labels, ignore_index, validate) if sharded else None
+    logp, ent = _TokenLogprobs.apply(p, return_entropy, inplace_backward, kernels, sh, logits, labels)
     return (logp, ent) if return_entropy else logp
 
 
@@ -313,34 +332,55 @@ def _distinct(*ts):
     return out
 
 
-def _eager_logps(p, logits, labels, ref_logps, lay=None):
+class _Sharded(NamedTuple):
+    """A call's vocabulary split over ``group`` (:mod:`._tp`), with its ``inplace_backward`` and ``validate``."""
+
+    group: object
+    inplace: bool
+    validate: bool
+
+
+def _sharded(process_group, inplace_backward=False, validate=True):
+    """The call's :class:`_Sharded`, or None: the whole vocabulary on this rank (no group, or a group of one)."""
+    return _Sharded(process_group, inplace_backward, validate) if _tp.check_group(process_group) > 1 else None
+
+
+def _eager_logps(p, logits, labels, ref_logps, lay=None, tp=None):
     """Eager differentiable log-probs (fp64 for fp64 inputs) and the mask (``lay``: a packed batch's ``(map,
-    packed labels)``: the log-probs of the stream, then moved to the padded rows)."""
-    if lay is None:
-        logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
+    packed labels)``: the log-probs of the stream, then moved to the padded rows). ``tp``: the logits are a
+    vocabulary slice (:class:`_Sharded`): the log-probs are the whole vocabulary's, through the kernels where the
+    logits take them."""
+    y = labels if lay is None else lay[1].reshape(-1)
+    if tp is None:
+        logps = _TokenLogprobs.apply(p, False, False, False, None, logits, y)[0]
     else:
-        logps = _layout.unpack(_TokenLogprobs.apply(p, False, False, False, logits, lay[1].reshape(-1))[0], lay[0], 0.0)
+        sh = _tp.shard(tp.group, logits.shape[-1], y, p.ignore_index, tp.validate)
+        logps = _TokenLogprobs.apply(p, False, tp.inplace, ops.use_kernels(logits), sh, logits, y)[0]
+    if lay is not None:
+        logps = _layout.unpack(logps, lay[0], 0.0)
     if ref_logps is not None:
         logps = logps.to(ref_logps.dtype)
     return logps, labels != p.ignore_index
 
 
-def _eager_loss(p, logits, labels, ref_logps, inp, lay=None):
-    """The eager path of a loss: eager differentiable log-probs, then the loss's math."""
-    logps, mask = _eager_logps(p, logits, labels, ref_logps, lay)
+def _eager_loss(p, logits, labels, ref_logps, inp, lay=None, tp=None):
+    """The eager path of a loss: eager differentiable log-probs (``tp``: of a vocabulary slice), then the loss's
+    math."""
+    logps, mask = _eager_logps(p, logits, labels, ref_logps, lay, tp)
     return losses.compute(p, logps, ref_logps, mask, inp)
 
 
-def _logits_level(p, logits, labels, ref_logps, packed, validate, **flags):
+def _logits_level(p, logits, labels, ref_logps, packed, validate, tp=None, **flags):
     """The checked ``(logits, labels [B, T], ref_logps, lay)`` of a loss call (``flags``: its bool keywords): as
     given (``lay`` None), or of a packed batch (:class:`~humanline_kernels.Packed`): ``logits [N, V]`` as they are,
     the per-token tensors moved to the padded rows ``[S, T]`` (:func:`._layout.unpack`), ``lay = (map, packed
-    labels)``."""
+    labels)``. ``tp``: the logits are a vocabulary slice (the labels are checked against the whole vocabulary
+    later, :func:`._tp.shard`)."""
     if packed is None:
-        _validation.check_logits_loss(logits, labels, ref_logps, p, validate, **flags)
+        _validation.check_logits_loss(logits, labels, ref_logps, p, validate, label_range=tp is None, **flags)
         return logits, labels, ref_logps, None
     _layout.check_packed("logits", logits, labels, ref_logps, packed, p)
-    _validation.check_logits(logits, labels, p, validate, **flags)
+    _validation.check_logits(logits, labels, p, validate, label_range=tp is None, **flags)
     x = logits.reshape(-1, logits.shape[-1])
     tm = _layout.packed_map(packed, x.shape[0], x.device, validate=validate)
     ref = None if ref_logps is None else _layout.unpack(ref_logps, tm, 0.0)
@@ -360,7 +400,7 @@ def _tokens(lay):
 @options(GRPO)
 def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsilon_high, kl_ref_logps=None, loss_type,
          normalizer, max_completion_length, temperature, ignore_index, validate=True, grad_in_forward=False,
-         inplace_backward=False, packed=None):
+         inplace_backward=False, packed=None, process_group=None):
     """Humanline GRPO from ``logits [B, T, V]``; same keywords and result as :func:`humanline_kernels.losses.grpo`.
     ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, ``logits [N, V]`` (or ``[1, N, V]``)
     and per-token tensors ``[N]``, advantages ``[S]`` (one per sequence, also when ``N == S``) or ``[N]`` / ``[1, N]``
@@ -374,18 +414,20 @@ def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsi
     case). The gradient buffer is new (``inplace_backward=False``) or the logits themselves (``True``: the
     logits are overwritten already during the forward). Backward may then run only once for this loss. On sm_90
     cards for which a GPU run measured it faster (the tuned table), a thread-block cluster kernel forms the same
-    gradient with the row held on chip (docs/kernels.md); elsewhere the Triton kernel does.
+    gradient with the row held on chip (docs/kernels.md); elsewhere the Triton kernel does. With ``process_group``
+    (a vocabulary slice) it is not taken: the gradient is formed in the backward.
     """
     p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                       loss_type=loss_type, normalizer=normalizer,
                       max_completion_length=max_completion_length, temperature=temperature,
                       ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+    tp = _sharded(process_group, inplace_backward, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate, tp,
                                                    grad_in_forward=grad_in_forward, inplace_backward=inplace_backward)
     inp = GRPOInputs(_per_token(advantages, lay, True), _per_token(kl_ref_logps, lay), norm)
     _validation.check_grpo(p, labels.shape, ref_logps, inp)
-    if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
-        return _eager_loss(p, logits, labels, ref_logps, inp, lay)
+    if tp is not None or not ops.use_kernels(logits, ref_logps, kl_ref_logps):
+        return _eager_loss(p, logits, labels, ref_logps, inp, lay, tp)
     gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
     fn = _GrpoGradInForward if gif else _FusedLoss
     loss, met = fn.apply(p, inplace_backward, _tokens(lay), logits, labels, *_distinct(ref_logps, *inp))
@@ -395,7 +437,7 @@ def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsi
 @options(DPO)
 def dpo(logits, labels, ref_logps, *, clip, beta, label_smoothing, loss_type, loss_weights, rpo_alpha,
         f_divergence_type, f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, temperature, ignore_index,
-        validate=True, inplace_backward=False, packed=None):
+        validate=True, inplace_backward=False, packed=None, process_group=None):
     """Humanline DPO from ``logits [2P, T, V]`` (or a packed batch of ``2P`` sequences, chosen first: ``packed``,
     as for :func:`grpo`); same keywords and result as :func:`humanline_kernels.losses.dpo`
     (WPO's ``use_weighting`` is refused: it needs each token's ``log sum p^2``). DPO and cDPO run in the DPO
@@ -406,12 +448,13 @@ def dpo(logits, labels, ref_logps, *, clip, beta, label_smoothing, loss_type, lo
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
     _validation.check_fused_dpo(p)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+    tp = _sharded(process_group, inplace_backward, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate, tp,
                                                    inplace_backward=inplace_backward)
     mixture = _validation.check_dpo(p, labels.shape[0], ref_logps)
     _validation.check_fused_dpo(p, mixture[0])
-    if not ops.use_kernels(logits, ref_logps):
-        return _eager_loss(p, logits, labels, ref_logps, DPOInputs(), lay)
+    if tp is not None or not ops.use_kernels(logits, ref_logps):
+        return _eager_loss(p, logits, labels, ref_logps, DPOInputs(), lay, tp)
     if p.fast:
         loss, met = _FusedLoss.apply(p, inplace_backward, _tokens(lay), logits, labels, ref_logps)
         return loss, named_metrics("dpo", met)
@@ -426,19 +469,20 @@ def dpo(logits, labels, ref_logps, *, clip, beta, label_smoothing, loss_type, lo
 @options(KTO)
 def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip, beta,
         desirable_weight, undesirable_weight, loss_type, kl_estimate, temperature, ignore_index, validate=True,
-        inplace_backward=False, packed=None, kl_packed=None):
+        inplace_backward=False, packed=None, kl_packed=None, process_group=None):
     """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass. Same
     keywords and result as :func:`humanline_kernels.losses.kto`. ``packed`` / ``kl_packed``: the batch / the KL
     rows packed (as for :func:`grpo`; the KL rows ``[N_kl]`` with boundaries of their own)."""
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+    tp = _sharded(process_group, inplace_backward, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate, tp,
                                                    inplace_backward=inplace_backward)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
     _validation.check_kto(p, labels.shape[0], labels.device, inp)
-    if not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
-        return _eager_loss(p, logits, labels, ref_logps, inp, lay)
+    if tp is not None or not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
+        return _eager_loss(p, logits, labels, ref_logps, inp, lay, tp)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
         rows = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
         return losses.from_rows(p, *rows, inp)
@@ -451,59 +495,65 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
 
 @options(Sequence)
 def sequence_logratios(logits, labels, ref_logps, *, clip, normalize, temperature, ignore_index, validate=True,
-                       inplace_backward=False, packed=None):
+                       inplace_backward=False, packed=None, process_group=None):
     """The sequence-level primitive from ``logits [B, T, V]``: ``(s [B], policy_sums [B], metrics)``, as
     :func:`humanline_kernels.losses.sequence_logratios` (``ref_logps=None``: a reference of 0). Kernel path: the
     row kernel and one sums kernel forward, one launch backward, whatever loss is built on the sums. ``packed``:
     a padding-free batch (as for :func:`grpo`), one sum per sequence."""
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+    tp = _sharded(process_group, inplace_backward, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate, tp,
                                                    inplace_backward=inplace_backward)
     _validation.check_sequence(p)
-    if ops.use_kernels(logits, ref_logps):
+    if tp is None and ops.use_kernels(logits, ref_logps):
         rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
     else:
-        logps, mask = _eager_logps(p, logits, labels, ref_logps, lay)
+        logps, mask = _eager_logps(p, logits, labels, ref_logps, lay, tp)
         rows, metrics = losses.sequence_rows(logps, ref_logps, mask, clip)
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
 @options(IPO)
 def ipo(logits, labels, ref_logps, *, clip, beta, temperature, ignore_index, validate=True, inplace_backward=False,
-        packed=None):
+        packed=None, process_group=None):
     """Humanline IPO from ``logits [2P, T, V]`` (or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.ipo`."""
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
+    tp = _sharded(process_group, inplace_backward, validate)
+    logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate, tp,
                                                    inplace_backward=inplace_backward)
     _validation.check_ipo(p, labels.shape[0])
-    if not ops.use_kernels(logits, ref_logps):
-        return _eager_loss(p, logits, labels, ref_logps, None, lay)
+    if tp is not None or not ops.use_kernels(logits, ref_logps):
+        return _eager_loss(p, logits, labels, ref_logps, None, lay, tp)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay)))
 
 
 @options(SimPO)
 def simpo(logits, labels, *, clip, beta, gamma_beta_ratio, temperature, ignore_index, validate=True,
-          inplace_backward=False, packed=None):
+          inplace_backward=False, packed=None, process_group=None):
     """Humanline SimPO from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.simpo`."""
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
-    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
+    tp = _sharded(process_group, inplace_backward, validate)
+    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, tp,
+                                           inplace_backward=inplace_backward)
     _validation.check_simpo(p, labels.shape[0])
-    if not ops.use_kernels(logits):
-        return _eager_loss(p, logits, labels, None, None, lay)
+    if tp is not None or not ops.use_kernels(logits):
+        return _eager_loss(p, logits, labels, None, None, lay, tp)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))
 
 
 @options(SLiC)
 def slic(logits, labels, *, clip, beta, lambda_coef, temperature, ignore_index, validate=True, inplace_backward=False,
-         packed=None):
+         packed=None, process_group=None):
     """Humanline SLiC from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.slic`."""
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
-    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
+    tp = _sharded(process_group, inplace_backward, validate)
+    logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, tp,
+                                           inplace_backward=inplace_backward)
     _validation.check_slic(p, labels.shape[0])
-    if not ops.use_kernels(logits):
-        return _eager_loss(p, logits, labels, None, None, lay)
+    if tp is not None or not ops.use_kernels(logits):
+        return _eager_loss(p, logits, labels, None, None, lay, tp)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))

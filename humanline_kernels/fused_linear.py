@@ -36,6 +36,12 @@ forward of the module that owns the lm_head (or a wrapper whose forward runs the
 The losses need nothing from ``weight`` in the backward (``dW`` is already formed), so a re-gather is only
 needed by :func:`token_logprobs` with gradient. For the reference model use :func:`token_logprobs_nograd` (or
 :func:`token_logprobs` under ``torch.no_grad()``): log-probs only, nothing saved.
+
+Tensor parallelism (``process_group``, every function; docs/tensor_parallel.md): ``weight [V_r, D]`` is this
+rank's contiguous slice of the lm_head (Megatron's column-parallel layout). The log-probs are the sharded
+:func:`token_logprobs`' (chunked as above, the slices' row statistics combined by one all-gather), the loss the
+eager path's math on them (:func:`humanline_kernels.losses.compute`); its backward recomputes each chunk's GEMM
+(8 N D V_r flops a rank) and returns ``dW`` of the slice and this slice's part of ``dh`` (Megatron's convention).
 """
 from __future__ import annotations
 
@@ -43,8 +49,22 @@ import math
 
 import torch
 
-from . import _eager, _layout, _objectives, _validation, losses, ops
-from ._params import DPO, GRPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics, options
+from . import _eager, _layout, _objectives, _tp, _validation, losses, ops
+from ._params import (
+    DPO,
+    GRPO,
+    IPO,
+    KTO,
+    DPOInputs,
+    GRPOInputs,
+    KTOInputs,
+    Sequence,
+    SimPO,
+    SLiC,
+    Tokens,
+    named_metrics,
+    options,
+)
 from .fused import _distinct, _input_grads, _owed
 from .ops import linear
 from .ops.constants import AUX_PLANES
@@ -130,18 +150,21 @@ def _sparse(tm, h2):
     return tm is not None and tm.M != h2.shape[0]
 
 
-def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed, supervised, pairs=False):
+def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed, supervised, pairs=False,
+                  tp=False):
     """The checked ``(labels, ref_logps, map)`` of a loss call: as given (map None), or on the padded rows
     ``[S, T]`` with the token map of a packed batch and / or of the supervised positions (:mod:`._layout`; ``pairs``:
-    DPO's chunks of whole pairs, so the map lists row ``j`` then row ``P + j``)."""
+    DPO's chunks of whole pairs, so the map lists row ``j`` then row ``P + j``; ``tp``: the weight is a vocabulary
+    slice, whose labels are checked against the whole vocabulary later, :func:`._tp.shard`)."""
     if packed is None:
-        _validation.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+        _validation.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate,
+                                      label_range=not tp)
         if supervised is None:
             return labels, ref_logps, None
         tm = _layout.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
     else:
         _layout.check_packed("hidden", hidden, labels, ref_logps, packed, p)
-        _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+        _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, label_range=not tp)
         N, dev = labels.numel(), hidden.device
         tm = (_layout.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
               _layout.supervised_map(supervised, 0, 0, dev, packed=packed, N=N, pairs=pairs))
@@ -157,8 +180,11 @@ class _LinearLogprobs(torch.autograd.Function):
     only known then). ``kernels``: the Triton kernels or their eager twins."""
 
     @staticmethod
-    def forward(ctx, p, return_entropy, rows, kernels, tm, hidden, weight, bias, labels):
+    def forward(ctx, p, return_entropy, rows, kernels, tm, sh, hidden, weight, bias, labels):
         impl = _impl(kernels)
+        given = labels
+        if sh is not None:  # a slice of the vocabulary (:mod:`.._tp`): its own labels, the slices' stats combined
+            labels = sh.labels
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)  # tokens as one row: q = r
         f = dict(dtype=_acc(hidden), device=hidden.device)
         alloc = torch.empty if tm is None else torch.zeros  # (a map of the supervised tokens skips the others)
@@ -171,6 +197,8 @@ class _LinearLogprobs(torch.autograd.Function):
             z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)
             impl.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent),
                               segs=linear.kernel_segs(segs))
+        if sh is not None:
+            logp, lse, ent = _tp.combine(sh, given.reshape(1, -1), p.ignore_index, logp, lse, ent)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.cfg = (p, chunks, impl, tm is not None)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
@@ -179,11 +207,11 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         if grad_logp is None and grad_ent is None:
-            return (None,) * 9
+            return (None,) * 10
         hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
         p, chunks, impl, sparse = ctx.cfg
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)
-        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[5:8], sparse)
+        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[6:9], sparse)
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
         gh = None if grad_ent is None else grad_ent.reshape(y.shape)
         buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
@@ -196,12 +224,12 @@ class _LinearLogprobs(torch.autograd.Function):
         buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (else they add to the peak)
         dh = None if dh is None else dh.view(hidden.shape)
         db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
-        return None, None, None, None, None, dh, dw, db, None
+        return None, None, None, None, None, None, dh, dw, db, None
 
 
 @options(Tokens)
 def token_logprobs(hidden, weight, labels, *, bias=None, temperature, ignore_index, return_entropy=False,
-                   chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+                   chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, process_group=None):
     """fp32 ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``hidden``, ``weight`` and ``bias`` (the backward recomputes the lm_head GEMM
@@ -215,12 +243,20 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature, ignore_ind
     the others get log-prob 0 and an exact 0 gradient (docs/fused_linear.md, "Layouts"). ``packed``
     (:class:`~humanline_kernels.Packed`): ``hidden [N, D]`` or ``[1, N, D]`` is a padding-free stream; without
     ``supervised`` the log-probs are the stream's as they are, and only its boundaries are checked.
+
+    ``process_group`` (tensor parallelism, docs/tensor_parallel.md): ``weight [V_r, D]`` (and ``bias [V_r]``) is this
+    rank's contiguous slice of the lm_head, slices in rank order, ``labels`` the global ids, equal on every rank. The
+    log-probs and the entropy are the whole vocabulary's on every rank; the gradient of ``weight`` (``bias``) is
+    that slice of the unsharded one, and the gradient of ``hidden`` is this slice's part of it (Megatron's
+    convention: the column-parallel region's backward all-reduces the parts).
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
+    sharded = _tp.check_group(process_group) > 1
     if packed is not None:  # (the losses' order: the layout first, then the level's own checks)
         _layout.check_packed("hidden", hidden, labels, None, packed)
-    _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
+    _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, label_range=not sharded,
+                             return_entropy=return_entropy)
     tm = None
     if supervised is not None:
         N = labels.numel()
@@ -232,7 +268,8 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature, ignore_ind
     elif packed is not None:  # the stream's log-probs are its own whatever its sequences: boundaries checked only
         _layout.check_bounds(packed, labels.numel(), validate=validate)
     rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-    logp, ent = _LinearLogprobs.apply(p, return_entropy, rows, ops.use_kernels(hidden), tm, hidden, weight,
+    sh = _tp.shard(process_group, weight.shape[0], labels, ignore_index, validate) if sharded else None
+    logp, ent = _LinearLogprobs.apply(p, return_entropy, rows, ops.use_kernels(hidden), tm, sh, hidden, weight,
                                       bias, labels)
     return (logp, ent) if return_entropy else logp
 
@@ -316,53 +353,93 @@ def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights
     return _objectives.Rows(s, pol, n), named_metrics("sequence", met)
 
 
+def _sharded_logps(p, hidden, weight, bias, given, ref_logps, chunk_bytes, validate, tm, group):
+    """A loss's log-probs on its rows ``[S, T]`` (``tm``: the call's token map; ``given``: the labels as the caller
+    gave them) from this rank's slice of the lm_head (:mod:`._tp`): the sharded :func:`token_logprobs`, in the
+    reference's dtype, differentiable. Its backward recomputes each chunk's GEMM (8 N D V_r flops)."""
+    rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+    sparse = tm is not None and (tm.source is not None or tm.M != tm.N)  # (supervised ranges: those tokens only)
+    sh = _tp.shard(group, weight.shape[0], given, p.ignore_index, validate)
+    logp = _LinearLogprobs.apply(p, False, rows, ops.use_kernels(hidden), _layout.flat(tm) if sparse else None, sh,
+                                 hidden, weight, bias, given)[0]
+    if tm is not None:
+        logp = _layout.unpack(logp, tm, 0.0)
+    return logp if ref_logps is None else logp.to(ref_logps.dtype)
+
+
+def _sharded_loss(p, hidden, weight, bias, given, labels, ref_logps, inp, chunk_bytes, validate, tm, group):
+    """A loss on this rank's slice of the lm_head: the sharded log-probs, then the loss's math of every level's eager
+    path (:func:`humanline_kernels.losses.compute`), the same on every rank."""
+    logp = _sharded_logps(p, hidden, weight, bias, given, ref_logps, chunk_bytes, validate, tm, group)
+    return losses.compute(p, logp, ref_logps, labels != p.ignore_index, inp)
+
+
 @options(Sequence)
 def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip, normalize, temperature, ignore_index,
-                       chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+                       chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, process_group=None):
     """The sequence-level primitive from ``hidden [B, T, D]`` and ``weight [V, D]``: ``(s [B], policy_sums [B],
     metrics)``, as :func:`humanline_kernels.losses.sequence_logratios`; the backward recomputes the lm_head GEMM
     chunk by chunk. ``supervised`` / ``packed``: as for :func:`grpo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
+    tp, given = _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
-                                          supervised)
+                                          supervised, tp=tp)
     _validation.check_sequence(p)
-    rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm)
+    if tp:
+        logp = _sharded_logps(p, hidden, weight, bias, given, ref_logps, chunk_bytes, validate, tm, process_group)
+        rows, metrics = losses.sequence_rows(logp, ref_logps, labels != ignore_index, clip)
+    else:
+        rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm)
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
 @options(IPO)
 def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, temperature, ignore_index, chunk_bytes=CHUNK_BYTES,
-        validate=True, supervised=None, packed=None):
+        validate=True, supervised=None, packed=None, process_group=None):
     """Humanline IPO from ``hidden [2P, T, D]``; as :func:`humanline_kernels.losses.ipo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
+    tp, given = _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
-                                          supervised)
+                                          supervised, tp=tp)
     _validation.check_ipo(p, labels.shape[0])
+    if tp:
+        return _sharded_loss(p, hidden, weight, bias, given, labels, ref_logps, None, chunk_bytes, validate, tm,
+                             process_group)
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm))
 
 
 @options(SimPO)
 def simpo(hidden, weight, labels, *, bias=None, clip, beta, gamma_beta_ratio, temperature, ignore_index,
-          chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+          chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, process_group=None):
     """Humanline SimPO from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.simpo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
-    labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
+    tp, given = _tp.check_group(process_group) > 1, labels
+    labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised,
+                                  tp=tp)
     _validation.check_simpo(p, labels.shape[0])
+    if tp:
+        return _sharded_loss(p, hidden, weight, bias, given, labels, None, None, chunk_bytes, validate, tm,
+                             process_group)
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
 @options(SLiC)
 def slic(hidden, weight, labels, *, bias=None, clip, beta, lambda_coef, temperature, ignore_index,
-         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, process_group=None):
     """Humanline SLiC from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
-    labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
+    tp, given = _tp.check_group(process_group) > 1, labels
+    labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised,
+                                  tp=tp)
     _validation.check_slic(p, labels.shape[0])
+    if tp:
+        return _sharded_loss(p, hidden, weight, bias, given, labels, None, None, chunk_bytes, validate, tm,
+                             process_group)
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
@@ -472,7 +549,7 @@ class _LinearLoss(torch.autograd.Function):
 @options(GRPO)
 def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip, beta, epsilon_low, epsilon_high,
          kl_ref_logps=None, loss_type, normalizer, max_completion_length, temperature, ignore_index,
-         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, process_group=None):
     """Humanline GRPO from ``hidden [B, T, D]`` and ``weight [V, D]``; keywords and result of
     :func:`humanline_kernels.losses.grpo` plus ``bias`` and ``chunk_bytes``. Chunks are token ranges.
 
@@ -488,12 +565,15 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip, beta
                       loss_type=loss_type, normalizer=normalizer,
                       max_completion_length=max_completion_length, temperature=temperature,
                       ignore_index=ignore_index)
-    given = labels
+    tp, given = _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
-                                          supervised)
+                                          supervised, tp=tp)
     inp = GRPOInputs(_layout.unpack_like(advantages, tm, given, True), _layout.unpack_like(kl_ref_logps, tm, given),
                      norm)
     _validation.check_grpo(p, labels.shape, ref_logps, inp)
+    if tp:
+        return _sharded_loss(p, hidden, weight, bias, given, labels, ref_logps, inp, chunk_bytes, validate, tm,
+                             process_group)
     kernels = ops.use_kernels(hidden, ref_logps, kl_ref_logps)
     loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), tm, hidden, weight, bias,
                                   labels, *_distinct(ref_logps, *inp))
@@ -503,7 +583,7 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip, beta
 @options(DPO)
 def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, label_smoothing, loss_type, loss_weights,
         rpo_alpha, f_divergence_type, f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, temperature,
-        ignore_index, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+        ignore_index, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, process_group=None):
     """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first; ``supervised`` / ``packed`` as for
     :func:`grpo`, packed: ``2P`` sequences, chosen first); keywords and result of
     :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes`` (WPO refused, as at the logits level).
@@ -515,10 +595,14 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, label_smoot
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
     _validation.check_fused_dpo(p)
+    tp, given = _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
-                                          supervised, pairs=p.fast)
+                                          supervised, pairs=p.fast, tp=tp)
     mixture = _validation.check_dpo(p, labels.shape[0], ref_logps)
     _validation.check_fused_dpo(p, mixture[0])
+    if tp:
+        return _sharded_loss(p, hidden, weight, bias, given, labels, ref_logps, DPOInputs(), chunk_bytes, validate,
+                             tm, process_group)
     if not p.fast:
         tw = None if ld_alpha is None else _objectives.ld_weights(labels != ignore_index, ld_alpha)
         rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, tw, tm)
@@ -533,7 +617,7 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, label_smoot
 @options(KTO)
 def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, bias=None,
         clip, beta, desirable_weight, undesirable_weight, loss_type, kl_estimate, temperature, ignore_index,
-        chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, kl_packed=None):
+        chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, kl_packed=None, process_group=None):
     """Humanline KTO from ``hidden [B, T, D]``; the KL rows come as log-probs (``kl_logps``, ``kl_ref_logps``,
     ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows. Same
     keywords and result as :func:`humanline_kernels.losses.kto`; ``supervised`` / ``packed`` as for :func:`grpo`,
@@ -541,11 +625,15 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
+    tp, given = _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
-                                          supervised)
+                                          supervised, tp=tp)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
     _validation.check_kto(p, labels.shape[0], labels.device, inp)
+    if tp:
+        return _sharded_loss(p, hidden, weight, bias, given, labels, ref_logps, inp, chunk_bytes, validate, tm,
+                             process_group)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
         return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm), inp)
     if losses.distributed() or kl_estimate != "halos":  # z0 known before any chunk runs (all-reduced across ranks)

@@ -32,7 +32,7 @@ else:
 # go first (the compile gate's two compilers; the nvcc and host-compiler builds of the copy extension; three trainer
 # runs per resume case) and the run does not end on one of them with the other workers idle. Serial runs only change
 # order.
-_FIRST = ("test_compile_gate.py", "test_sync_kernel.py", "test_layouts.py", "test_resume.py")
+_FIRST = ("test_compile_gate.py", "test_sync_kernel.py", "test_layouts.py", "test_resume.py", "test_tensor_parallel.py")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread pool per core, not per worker
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 

@@ -40,6 +40,11 @@ def test_the_documented_setup_passes():
     # LoRA with the frozen reference (verl's adapter-disabled actor): clamp only, no sync
     lora = config(**{"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.actor.policy_loss.reference": "frozen"})
     check_setup(lora.actor_rollout_ref, "actor_rollout")
+    # our fused log-probs with verl's entropy bonus: the entropy is differentiable (tests/test_verl_kernel.py)
+    fused = config(**{"actor_rollout_ref.actor.policy_loss.fused_logprobs": True,
+                      "actor_rollout_ref.model.use_fused_kernels": True, "actor_rollout_ref.actor.entropy_coeff": 0.01})
+    fused.actor_rollout_ref.model.fused_kernel_options = {"impl_backend": "triton"}
+    assert check_setup(fused.actor_rollout_ref, "actor_rollout_ref").fused_logprobs
 
 
 @pytest.mark.parametrize("overrides, role, match", [
@@ -49,9 +54,6 @@ def test_the_documented_setup_passes():
     ({}, "actor", "needs the reference in the actor's process"),
     ({"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"}, "actor_rollout_ref", "trains actor.policy_loss"),
     ({"actor_rollout_ref.actor.policy_loss.fused_logprobs": True}, "actor_rollout_ref", "impl_backend=triton"),
-    ({"actor_rollout_ref.actor.policy_loss.fused_logprobs": True, "actor_rollout_ref.model.use_fused_kernels": True,
-      "+actor_rollout_ref.model.fused_kernel_options.impl_backend": "triton",
-      "actor_rollout_ref.actor.entropy_coeff": 0.01}, "actor_rollout_ref", "not yet wired to verl's entropy bonus"),
     ({"actor_rollout_ref.actor.policy_loss.base_loss_mode": "clip_cov"}, "actor_rollout_ref",
      "'clip_cov' has no humanline variant"),
 ])

@@ -8,13 +8,15 @@ With ``model.use_fused_kernels=True`` and ``fused_kernel_options.impl_backend=tr
 so every later forward in the process (actor and reference alike) computes its log-probs with our kernel.
 
 verl adds ``-entropy_coeff * entropy`` to the loss (``ppo_loss``). The entropy returned here is differentiable (as
-``token_logprobs``' is), but its gradient through verl's entropy bonus is not checked against verl's kernel yet
-(tests/test_verl_kernel.py backpropagates the log-probs only), so the worker still refuses ``entropy_coeff != 0``
-with this path.
+``token_logprobs``' is), so the entropy bonus trains through it (tests/test_verl_kernel.py and
+tests/test_verl_tensor_parallel.py check its gradient against verl's torch path).
+
+``dist_process_group`` (verl's Megatron forward passes the tensor-parallel group): ``weight`` is this rank's slice of
+a vocabulary-parallel lm_head; the log-probs and entropy are the whole vocabulary's, the weight's gradient is the
+slice's, the hidden states' is this slice's part (verl's convention: the column-parallel region sums the parts),
+as ``hk.fused_linear.token_logprobs(..., process_group=)`` gives them (docs/tensor_parallel.md).
 """
 from __future__ import annotations
-
-import torch
 
 from ... import fused_linear
 
@@ -25,18 +27,16 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     """verl's ``linear_cross_entropy`` signature on ``hk.fused_linear.token_logprobs``.
 
     Returns ``(log_probs, entropy)`` shaped like ``labels`` (fp32, as verl's torch backend shapes them); the
-    log-probs and the entropy are differentiable with respect to ``hidden`` and ``weight``.
+    log-probs and the entropy are differentiable with respect to ``hidden`` and ``weight``. ``dist_process_group``:
+    ``weight`` is this rank's vocabulary slice (tensor parallelism, module docstring).
     """
     if reduction != "none":
         raise ValueError(f"linear_cross_entropy: only reduction='none' is supported (per-token log-probs), got "
                          f"{reduction!r}")
-    if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
-        raise ValueError("linear_cross_entropy: a vocabulary-parallel lm_head (dist_process_group of size > 1) is "
-                         "not supported by hk.fused_linear.token_logprobs; keep verl's kernel for tensor parallelism")
     # validate=False: the labels are the batch's own input ids, shifted by one, which the embedding already looked
     # up; the range check would be a host sync per forward
     return fused_linear.token_logprobs(hidden, weight, labels, temperature=float(temperature), return_entropy=True,
-                                       validate=False)
+                                       validate=False, process_group=dist_process_group)
 
 
 def rebind() -> None:

@@ -100,12 +100,6 @@ def check_setup(config, role: str) -> HumanlinePolicyLossConfig:
         if not model.get("use_fused_kernels", False) or backend != "triton":
             raise ValueError("policy_loss.fused_logprobs replaces verl's Triton fused kernel: set "
                              "model.use_fused_kernels=True and model.fused_kernel_options.impl_backend=triton")
-        if actor.get("entropy_coeff", 0) != 0:
-            raise ValueError("policy_loss.fused_logprobs with actor.entropy_coeff != 0: verl adds "
-                             "-entropy_coeff * entropy to the loss, and this path is not yet wired to verl's "
-                             "entropy bonus (the entropy hk.fused_linear.token_logprobs returns is differentiable, "
-                             "but its gradient through verl's loss is not checked against verl's kernel); use "
-                             "entropy_coeff=0 or verl's own kernel")
     return settings
 
 
