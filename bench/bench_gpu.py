@@ -91,7 +91,8 @@ def _rel(a, b):
 
 def parity(N, V, D, device="cuda"):
     """Every fused path against hk.reference at one big shape; returns rows with errors and a pass flag
-    (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/test_bench_cli.py runs it)."""
+    (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/bench/test_bench_cli.py runs
+    it)."""
     import humanline_kernels as hk
     dev, bf = device, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)

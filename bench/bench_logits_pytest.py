@@ -1,6 +1,6 @@
 """pytest-benchmark suite of the logits path (not collected by the default ``tests/`` run).
 
-``python -m pytest bench/test_bench_logits.py --benchmark-only`` (GPU: N=8192, V=128256 bf16; CPU: a tiny shape
+``python -m pytest bench/bench_logits_pytest.py --benchmark-only`` (GPU: N=8192, V=128256 bf16; CPU: a tiny shape
 on the eager paths). The CLI ``python -m bench logits`` adds floors, memory, peers and the plot.
 """
 import pytest

@@ -69,7 +69,7 @@ class _Utils:
 class StandInDriver:
     """A Triton driver for ``sm_<arch>`` on device 0, stream 0, whose kernel launcher only counts (``launched``):
     enough for ``JITFunction.run`` to specialise, compile and "launch" without a GPU (also the compile gate's,
-    tests/compile_gate.py)."""
+    tools/compile_gate.py)."""
 
     def __init__(self, arch=90):
         from triton.backends.compiler import GPUTarget

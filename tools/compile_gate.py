@@ -1,6 +1,6 @@
 """Ahead-of-time compile of every Triton launch the package can make, for one GPU architecture, without a GPU.
 
-``python tests/compile_gate.py --arch 90 [--json FILE]`` (run by ``tests/test_compile_gate.py`` in a subprocess:
+``python tools/compile_gate.py --arch 90 [--json FILE]`` (run by ``tests/ops/test_compile_gate.py`` in a subprocess:
 it installs a stand-in Triton driver, which must not leak into the test process).
 
 How: the real launch wrappers of :mod:`humanline_kernels.ops` are called on ``meta`` tensors (no memory, any
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from tests/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from tools/
 from bench.host_proxy import StandInDriver  # noqa: E402  (a target, device 0, stream 0; never launches here)
 
 SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte aligned rows)

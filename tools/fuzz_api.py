@@ -2,7 +2,7 @@
 
 Each case is a *spec*, a dict of plain values (entry point, level, loss, sizes, sequence lengths, layout, dtypes,
 views, clip band, options, a tensor seed and at most one corruption) that hypothesis draws; the tensors are built
-from it, so a case prints as one line of JSON and replays by itself (``python tests/fuzz_api.py --replay
+from it, so a case prints as one line of JSON and replays by itself (``python tools/fuzz_api.py --replay
 '<json>'``). Oracles:
 
 * a valid call: loss, metrics and every gradient (logits / hidden, weight and bias, the reference, advantages, the

@@ -9,7 +9,7 @@ import pytest
 
 from bench import compare_compiled as cc
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SASS = """
 //--------------------- .text.k --------------------------

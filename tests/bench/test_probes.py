@@ -9,7 +9,8 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
+                                "probes"))
 import gif_cluster  # noqa: E402
 import gif_split  # noqa: E402
 
@@ -75,7 +76,7 @@ def test_e2e_gap_quick_takes_each_difference_away(monkeypatch, capsys):
     """e2e_gap.py (prepared for the next GPU run) on the CPU smoke size: every variant runs, the copy taken away
     leaves the reference at theta_0 (sync_ce-copy's step-2 loss is offline_ref's, sync_ce's is not), and the
     reference-forward timing runs on both sets of weights."""
-    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the harness is under test, not the kernels: the eager paths
     import e2e_gap
     res = e2e_gap.main(["--quick", "--steps", "1"])

@@ -2,7 +2,7 @@
 
 The Triton interpreter accepts code that the GPU compiler rejects (the first H100 run failed on an enum bound to a
 local name in ``_clamp``), so this compiles every launch variant ahead of time with the real compiler, driven
-through the real launch wrappers (``tests/compile_gate.py``, subprocesses in parallel: an architecture's shards), and
+through the real launch wrappers (``tools/compile_gate.py``, subprocesses in parallel: an architecture's shards), and
 checks the compiled resources: no spills or local memory, 16-byte global loads in aligned variants.
 """
 import json
@@ -14,7 +14,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
 
 
 # shards a architecture: 1 on CI's 2 cores; on a 16-core GPU machine 4 (run 6: one process an architecture had not
@@ -44,9 +44,9 @@ def gate(tmp_path_factory):
         for shard in range(SHARDS):
             env = {**os.environ, "TRITON_INTERPRET": "0",
                    "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp(f"sm{arch}-{shard}")),
-                   "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+                   "PYTHONPATH": os.pathsep.join([os.path.dirname(TOOLS), os.environ.get("PYTHONPATH", "")])}
             procs[arch, shard] = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "compile_gate.py"), "--arch", str(arch), "--shard",
+                [sys.executable, os.path.join(TOOLS, "compile_gate.py"), "--arch", str(arch), "--shard",
                  f"{shard}/{SHARDS}", "--bases", str(BASES[arch])],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     parts = {90: [], 80: []}

@@ -13,7 +13,7 @@ import humanline_kernels as hk
 from humanline_kernels import reference as R
 from humanline_kernels.ops import common, dpo, grpo, kto, logprobs, sequence, token_terms, tuning
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CARD = "Test card"
 TABLE = {"format": 1, "devices": {CARD: {"bf16": {
     "fwd": {"32000": [2048, 4], "128256": [8192, 8]},
@@ -155,7 +155,8 @@ def test_the_committed_table_is_valid():
 def test_the_compile_gate_compiles_every_table_entry(table):
     saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_DUMP_PTXAS_LOG")}
     try:
-        import compile_gate  # (it sets both for its own process at import: put back for the tests after this one)
+        # (it sets both for its own process at import: put back for the tests after this one)
+        from tools import compile_gate
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -15,7 +15,7 @@ import humanline_kernels as hk
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 _spec = importlib.util.spec_from_file_location(
-    "hk_tiny_adapters", os.path.join(os.path.dirname(__file__), "..", "examples", "tiny.py"))
+    "hk_tiny_adapters", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny.py"))
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
@@ -232,7 +232,7 @@ def _ddp_worker(rank, world):
 
 
 def test_ddp():
-    from _dist import run
+    from tools.distributed import run
     run(_ddp_worker)
 
 
@@ -252,7 +252,7 @@ def _fsdp2_worker(rank, world):
 
 
 def test_fsdp2():
-    from _dist import run
+    from tools.distributed import run
     run(_fsdp2_worker)
 
 

@@ -3,7 +3,7 @@ bytes (64 bytes flipped mid-file, the low mantissa byte of a few elements), trun
 file, files from two saves and malformed metadata are refused with a ``ValueError`` naming the file (and the tensor,
 for a checksum) before anything is restored, for the reference model's file, a reference adapter's and the
 lookahead's. A save checks its arguments before it writes, and a failed save leaves the previous state whole.
-The trainers' resume of the same faults: tests/test_resume_integrity.py."""
+The trainers' resume of the same faults: tests/integrations/trl/test_resume_integrity.py."""
 import json
 import os
 import struct

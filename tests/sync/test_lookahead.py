@@ -8,10 +8,10 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run
 from torch import nn
 
 import humanline_kernels as hk
+from tools.distributed import run
 
 V, D, T = 37, 16, 7
 

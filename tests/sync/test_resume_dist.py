@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run
 from test_sync_dist import Net, fsdp1_wrap, fsdp2_wrap, full_sd, sd_equal
 
 import humanline_kernels as hk
+from tools.distributed import run
 
 try:
     import transformers
@@ -89,15 +89,21 @@ def test_fsdp_plain_loop_resume(tmp_path):
         hk.load_humanline_state(tmp_path / "fsdp2", syncer=hk.ReferenceSyncer(pol, ref))
 
 
+def _resume_tests():
+    """tests/integrations/trl/test_resume.py, by path (the trainer runs are its)."""
+    spec = importlib.util.spec_from_file_location("hk_resume_tests", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), os.pardir, "integrations", "trl", "test_resume.py"))
+    R = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(R)
+    return R
+
+
 def _trl_worker(rank, world, port, out):
     os.environ.update(CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       ACCELERATE_USE_CPU="1")
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location(
-        "hk_resume_tests", os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_resume.py"))
-    R = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(R)
+    R = _resume_tests()
     import pathlib
     path = os.path.join(out, "tiny")
     res = {}
@@ -118,8 +124,9 @@ def _trl_worker(rank, world, port, out):
                            "which torch.load cannot restore (the stock Trainer fails alike; fixed in 5.18)")
 def test_trl_dpo_ddp_resume(tmp_path):
     import torch.multiprocessing as mp
-    from _dist import free_port
-    from test_resume import tiny
+
+    from tools.distributed import free_port
+    tiny = _resume_tests().tiny
     tiny.tiny_model().save_pretrained(str(tmp_path / "tiny"))
     tiny.tiny_tokenizer().save_pretrained(str(tmp_path / "tiny"))
     mp.spawn(_trl_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -11,10 +11,10 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import check_paced, run
 from torch import nn
 
 import humanline_kernels as hk
+from tools.distributed import check_paced, run
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 

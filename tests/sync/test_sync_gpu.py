@@ -106,7 +106,8 @@ def test_paced_parts_wait_for_the_compute_at_their_point():
         # Two warm-up steps with the slow step's kernels, a short sleep and the gradients' accumulation included:
         # under CUDA's lazy loading (the default) a kernel's first launch may synchronize the context (CUDA
         # Programming Guide, "Lazy Loading"), which held the host until the long sleep ended and every part with
-        # it (run 9, H200: the first accumulation in the backward stalled the host ~0.5 s; bench/probes/pace_order.py).
+        # it (run 9, H200: the first accumulation in the backward stalled the host ~0.5 s; the probe
+        # bench/probes/pace_order.py, in git).
         # Step 0 also learns the points: 13 leaves, 26 points; parts at 0, 6, 13 and 19.
         h = pol[3].register_forward_pre_hook(lambda m, a: torch.cuda._sleep(1000))
         for _ in range(2):
@@ -133,9 +134,10 @@ def test_paced_parts_wait_for_the_compute_at_their_point():
 
 
 def test_fsdp2_world_size_1_nccl():
-    from _dist import free_port
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from tools.distributed import free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

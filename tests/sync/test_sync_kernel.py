@@ -12,7 +12,7 @@ import torch
 
 from humanline_kernels.sync._copy import CopyPlan, load_extension
 
-CSRC = os.path.join(os.path.dirname(__file__), os.pardir, "csrc")
+CSRC = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 nvcc = shutil.which("nvcc")
 

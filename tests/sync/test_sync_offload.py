@@ -15,11 +15,11 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import free_port, run
 from test_sync_dist import Net, free_fsdp1_retained, fsdp1_wrap, fsdp2_wrap, params_to_bf16, scenario
 from torch import nn
 
 import humanline_kernels as hk
+from tools.distributed import free_port, run
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 

@@ -1,7 +1,7 @@
 """ReferenceSyncer(slices=n): the copy cut into parts (CopyPlan.split) and issued through the policy's forward and
 backward (sync/_pace.py). On CPU the parts run on the current stream at their points, so what each point issued
-is visible; the side-stream version is tests/test_sync_gpu.py's, the wrapped models' tests/test_sync_dist.py's and
-tests/test_sync_zero.py's."""
+is visible; the side-stream version is tests/sync/test_sync_gpu.py's, the wrapped models' tests/sync/test_sync_dist.py's
+and tests/sync/test_sync_zero.py's."""
 import copy
 import warnings
 

@@ -11,7 +11,7 @@ import torch
 from setuptools import Distribution, Extension
 
 cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import check_paced, run
 from torch import nn
 
 import humanline_kernels as hk
+from tools.distributed import check_paced, run
 
 deepspeed = pytest.importorskip("deepspeed")
 

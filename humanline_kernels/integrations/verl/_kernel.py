@@ -9,8 +9,8 @@ so every later forward in the process (actor and reference alike) computes its l
 
 verl adds ``-entropy_coeff * entropy`` to the loss (``ppo_loss``). The entropy returned here is differentiable (as
 ``token_logprobs``' is), but its gradient through verl's entropy bonus is not checked against verl's kernel yet
-(tests/test_verl_kernel.py backpropagates the log-probs only), so the worker still refuses ``entropy_coeff != 0``
-with this path.
+(tests/integrations/verl/test_verl_kernel.py backpropagates the log-probs only), so the worker still refuses
+``entropy_coeff != 0`` with this path.
 """
 from __future__ import annotations
 

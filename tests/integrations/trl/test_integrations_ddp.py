@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "tiny.py")
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", "tiny.py")
 
 
 def _free_port():

@@ -25,7 +25,7 @@ from humanline_kernels.integrations.trl import (  # noqa: E402
 )
 
 _spec = importlib.util.spec_from_file_location(
-    "hk_tiny", os.path.join(os.path.dirname(__file__), "..", "examples", "tiny.py"))
+    "hk_tiny", os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "tiny.py"))
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 

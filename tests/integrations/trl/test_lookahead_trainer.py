@@ -232,7 +232,7 @@ def test_lookahead_holds_no_second_copy_of_the_parameters(tiny_path):
 
 
 def test_grpo_refuses_lookahead_with_a_generation_per_step(tiny_path):
-    # (with a generation every N >= 2 steps it is accepted: tests/test_trl_grpo_offpolicy.py)
+    # (with a generation every N >= 2 steps it is accepted: tests/integrations/trl/test_trl_grpo_offpolicy.py)
     with pytest.raises(ValueError, match="next step's completions do not exist yet"):
         HumanlineGRPOConfig(**COMMON, output_dir=tiny_path + "/g", humanline_reference="lookahead")
     args = GRPOConfig(**COMMON, output_dir=tiny_path + "/g", per_device_train_batch_size=4, num_generations=2)

@@ -311,7 +311,8 @@ def test_stock_checkpoint_starts_humanline_with_a_warning(tiny_path, tmp_path):
 def test_humanline_checkpoint_without_its_state_is_refused(tiny_path, tmp_path):
     """A checkpoint of a humanline run that has no humanline state (an older version of this package, or the file
     lost) is refused: its reference cannot be rebuilt. Here one written before the run marker existed (none in its
-    trainer_state.json): its log history tells (tests/test_resume_integrity.py: the marker, with no log line)."""
+    trainer_state.json): its log history tells (tests/integrations/trl/test_resume_integrity.py: the marker, with no
+    log line)."""
     import json
 
     from humanline_kernels.integrations.transformers import RUN_MARKER

@@ -5,7 +5,7 @@ log line (save_steps < logging_steps), so its log history holds no humanline met
 reference, adapter or lookahead file gets 64 bytes flipped mid-file, its low mantissa bytes flipped, or is truncated,
 or every humanline file is deleted. Each resume is refused with a ValueError naming the file (and the tensor, for a
 checksum), with no optimizer step and nothing of the humanline state restored. The same faults through
-``hk.load_humanline_state``: tests/test_checkpoint_integrity.py."""
+``hk.load_humanline_state``: tests/sync/test_checkpoint_integrity.py."""
 import copy
 import importlib.util
 import json

@@ -335,7 +335,7 @@ def test_kto_refusals(tiny_path, cfg, match):
 
 def test_dpo_padding_free_packs_where_trl_falls_back_to_padding(tiny_path):
     """TRL 1.16's DPOTrainer turns padding_free off with a warning and trains padded; ours packs each micro-batch
-    into one row (tests/test_trl_layouts.py: the same loss and gradients as padded)."""
+    into one row (tests/integrations/trl/test_trl_layouts.py: the same loss and gradients as padded)."""
     tr = HumanlineDPOTrainer(tiny_path, args=HumanlineDPOConfig(**COMMON, output_dir=tiny_path + "/p",
                                                                 padding_free=True, humanline=False),
                              train_dataset=pref_data(), processing_class=tiny.tiny_tokenizer())

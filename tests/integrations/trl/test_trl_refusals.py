@@ -21,7 +21,7 @@ from humanline_kernels.integrations.trl import (  # noqa: E402
 )
 
 _spec = importlib.util.spec_from_file_location(
-    "hk_tiny", os.path.join(os.path.dirname(__file__), "..", "examples", "tiny.py"))
+    "hk_tiny", os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "tiny.py"))
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 tiny.quiet_trl_deprecations()
@@ -71,7 +71,7 @@ def test_logit_softcapping_or_scaling_is_refused_with_our_heads(tmp_path, name, 
 
 def test_moe_router_aux_loss_is_refused_with_our_heads(tmp_path):
     """router_aux_loss_coef (an MoE model's router loss) needs the router logits, which our heads do not return;
-    fused="off" trains it (tests/test_trl_dpo_kto_objectives.py)."""
+    fused="off" trains it (tests/integrations/trl/test_trl_dpo_kto_objectives.py)."""
     from transformers import MixtralConfig, MixtralForCausalLM
     torch.manual_seed(0)
     cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -11,7 +11,8 @@ pytest.importorskip("verl")
 pytest.importorskip("transfer_queue", reason="verl's engine workers import the v1 trainer's TransferQueue")
 
 import torch  # noqa: E402
-from _dist import run  # noqa: E402
+
+from tools.distributed import run  # noqa: E402
 
 EPOCHS, LOCAL_BATCH, EVERY = 3, 2, 2
 
@@ -29,9 +30,8 @@ def _worker_object(actor, ref):
 
 
 def _engines(path, cfg):
-    from _verl_cpu import training_worker
-
     from humanline_kernels.integrations.verl import HumanlineReference, HumanlineTrainingWorker, humanline_ppo_loss
+    from tools.verl_cpu import training_worker
     actor = training_worker(path, forward_only=False, cls=HumanlineTrainingWorker)
     ref = training_worker(path, forward_only=True)
     actor.set_loss_fn(lambda model_output, data, dp_group=None: humanline_ppo_loss(cfg, model_output, data, dp_group))
@@ -40,8 +40,9 @@ def _engines(path, cfg):
 
 
 def _verl_step(actor, ref, s):
-    from _verl_cpu import RESPONSE, like, log_probs, rollout_batch
     from verl.utils import tensordict_utils as tu
+
+    from tools.verl_cpu import RESPONSE, like, log_probs, rollout_batch
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     td = rollout_batch(seed=100 * s + rank, batch_size=LOCAL_BATCH, layout="v1")
     td["old_log_probs"] = log_probs(actor, td)
@@ -54,10 +55,10 @@ def _verl_step(actor, ref, s):
 
 
 def worker(rank, world, path, out):
-    from _verl_cpu import install_cpu_platform
     from verl.workers.config import ActorConfig
 
     from humanline_kernels.integrations.verl import HumanlinePolicyLossConfig
+    from tools.verl_cpu import install_cpu_platform
     install_cpu_platform()
     cfg = ActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=LOCAL_BATCH, use_kl_loss=True,
                       kl_loss_coef=0.0, policy_loss=HumanlinePolicyLossConfig(sync_every=EVERY))
@@ -118,6 +119,6 @@ def worker(rank, world, path, out):
 
 
 def test_verl_worker_resumes_exactly(tmp_path):
-    from _verl_cpu import save_tiny_llama
+    from tools.verl_cpu import save_tiny_llama
     save_tiny_llama(str(tmp_path / "model"))
     run(worker, str(tmp_path / "model"), str(tmp_path / "ckpt"))

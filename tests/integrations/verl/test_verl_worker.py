@@ -18,7 +18,8 @@ pytest.importorskip("verl")
 pytest.importorskip("transfer_queue", reason="verl's engine workers import the v1 trainer's TransferQueue")
 
 import torch  # noqa: E402
-from _dist import run  # noqa: E402
+
+from tools.distributed import run  # noqa: E402
 
 EPOCHS, LOCAL_BATCH = 3, 2
 
@@ -31,12 +32,12 @@ def shards(module):
 
 
 def scenario(actor, ref, every, steps, layout):
-    from _verl_cpu import RESPONSE, like, log_probs, rollout_batch
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import ActorConfig
     from verl.workers.utils.padding import no_padding_2_padding
 
     from humanline_kernels.integrations.verl import HumanlinePolicyLossConfig, HumanlineReference, humanline_ppo_loss
+    from tools.verl_cpu import RESPONSE, like, log_probs, rollout_batch
 
     cfg = ActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=LOCAL_BATCH, use_kl_loss=True,
                       kl_loss_coef=0.0, policy_loss=HumanlinePolicyLossConfig(sync_every=every))
@@ -91,9 +92,8 @@ def scenario(actor, ref, every, steps, layout):
 
 
 def all_periods(path, strategy="fsdp2", layout="v1"):
-    from _verl_cpu import training_worker
-
     from humanline_kernels.integrations.verl import HumanlineTrainingWorker
+    from tools.verl_cpu import training_worker
 
     # (reference forwards recomputed, mini-batches that took old_log_probs) over 2 verl steps of 3 optimizer steps;
     # k = 3, a multiple of the steps per verl step, never runs an extra reference forward
@@ -105,7 +105,7 @@ def all_periods(path, strategy="fsdp2", layout="v1"):
 
 
 def worker(rank, world, path, layout):
-    from _verl_cpu import install_cpu_platform
+    from tools.verl_cpu import install_cpu_platform
     install_cpu_platform()
     all_periods(path, layout=layout)
 
@@ -113,7 +113,7 @@ def worker(rank, world, path, layout):
 @pytest.mark.parametrize("layout", ["v1", "legacy"])
 def test_reference_lags_by_one_sync_inside_verls_actor_update(tmp_path, layout):
     """``v1``: the batch layout of verl's v1 trainer (jagged responses); ``legacy``: ``trainer.use_v1=False``'s."""
-    from _verl_cpu import save_tiny_llama
+    from tools.verl_cpu import save_tiny_llama
     save_tiny_llama(str(tmp_path))
     run(worker, str(tmp_path), layout)
 
@@ -123,8 +123,8 @@ def test_reference_lags_by_one_sync_inside_verls_actor_update(tmp_path, layout):
 def test_on_cuda_into_the_pinned_offloaded_reference(tmp_path, monkeypatch, strategy):
     """verl's CUDA engines as they run: the actor on the GPU, the reference in pinned host memory (FSDP1
     ``CPUOffload``, FSDP2 ``CPUOffloadPolicy``), the copy on the side stream; world size 1 on NCCL."""
-    from _dist import free_port
-    from _verl_cpu import save_tiny_llama
+    from tools.distributed import free_port
+    from tools.verl_cpu import save_tiny_llama
 
     port = free_port()
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
