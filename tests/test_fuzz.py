@@ -20,6 +20,8 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
+pytestmark = pytest.mark.slow  # a thousand drawn cases
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LONG = os.environ.get("HK_FUZZ_PROFILE") == "long"
 EXAMPLES = int(os.environ.get("HK_FUZZ_EXAMPLES", 5000 if LONG else 1000))

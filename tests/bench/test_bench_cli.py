@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the benchmark suites' CPU runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

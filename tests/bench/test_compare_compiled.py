@@ -9,6 +9,8 @@ import pytest
 
 from bench import compare_compiled as cc
 
+pytestmark = pytest.mark.slow  # the benchmark tools
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SASS = """

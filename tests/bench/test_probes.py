@@ -14,6 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import gif_cluster  # noqa: E402
 import gif_split  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the GPU probes' CPU checks
+
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1")
 
 

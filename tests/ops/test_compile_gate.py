@@ -14,6 +14,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+pytestmark = pytest.mark.slow  # every variant for both architectures: a CI stage of its own
+
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
 
 

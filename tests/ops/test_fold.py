@@ -207,6 +207,7 @@ def test_persistent_grid_walks_the_rows(monkeypatch):
     assert seen == [((6,), 3), ((1,), 3), ((3,), 3)]  # 3: the persistent grid, the shared row weight
 
 
+@pytest.mark.slow
 def test_opcheck():
     """The folded launchers' torch.library ops: schema, fake tensors, autograd registration, AOT dispatch."""
     x, y, ref = _data(2, 3, 40, seed=30)

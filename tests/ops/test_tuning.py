@@ -172,6 +172,7 @@ def _tune(*args):
                           timeout=300, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [(), ("--quick", "--family", "nope"), ("--quick", "--n", "0"),
                                   ("--quick", "--vocab", "1"), ("--quick", "--write"), ("--bogus",)])
 def test_bench_tune_bad_flags_are_one_line(args):
@@ -180,6 +181,7 @@ def test_bench_tune_bad_flags_are_one_line(args):
     assert len(r.stderr.strip().splitlines()) == 1 and "python -m bench tune --help" in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_tune_quick_times_every_candidate(tmp_path):
     r = _tune("--quick", "--family", "fwd", "gif", "--vocab", "60", "--n", "4", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -231,6 +231,7 @@ def _ddp_worker(rank, world):
     _dist_adapter_case(DDP, lambda m: m, every=2)
 
 
+@pytest.mark.slow
 def test_ddp():
     from tools.distributed import run
     run(_ddp_worker)
@@ -251,6 +252,7 @@ def _fsdp2_worker(rank, world):
     _dist_adapter_case(_fsdp2, _fsdp2, every=2)
 
 
+@pytest.mark.slow
 def test_fsdp2():
     from tools.distributed import run
     run(_fsdp2_worker)

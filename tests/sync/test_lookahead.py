@@ -275,6 +275,7 @@ def ddp_worker(rank, world):
     _dist_case(DDP, lambda m: m, every=3, accum=2)
 
 
+@pytest.mark.slow
 def test_ddp():
     run(ddp_worker)
 
@@ -293,6 +294,7 @@ def fsdp2_worker(rank, world):
     _dist_case(fsdp2_wrap, fsdp2_wrap, every=3, accum=2)
 
 
+@pytest.mark.slow
 def test_fsdp2():
     run(fsdp2_worker)
 

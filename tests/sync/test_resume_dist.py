@@ -20,7 +20,8 @@ try:
 except ImportError:  # the TRL test below needs it; the rest do not
     _TRANSFORMERS = (0, 0)
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+              pytest.mark.slow]  # slow: distributed runs stopped and resumed
 
 
 def _loop(wrap, every, xs, folder=None, stop=None, resume=None):

@@ -209,6 +209,7 @@ _KILLED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_while_writing(tmp_path):
     good, bad = str(tmp_path / "ckpt-3"), str(tmp_path / "ckpt-5")
     code = _KILLED.format(tests=os.path.dirname(os.path.abspath(__file__)), good=good, bad=bad)

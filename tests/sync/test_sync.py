@@ -183,6 +183,7 @@ def test_bench_time_reps_counts_calls_not_ms(monkeypatch):
     assert seen["rep"] >= 20 * 50 and seen["warmup"] >= 2 * 50
 
 
+@pytest.mark.slow
 def test_bench_sync_quick_runs(tmp_path):
     import json
     import math

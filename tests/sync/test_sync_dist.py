@@ -161,6 +161,7 @@ def fsdp2_worker(rank, world):
     expect_mismatch(fsdp2_wrap(Net(0)), Net(1))
 
 
+@pytest.mark.slow
 def test_fsdp2():
     run(fsdp2_worker)
 
@@ -188,5 +189,6 @@ def fsdp1_worker(rank, world):
     expect_mismatch(fsdp1_wrap(Net(0)), fsdp1_wrap(Net(1, out=4)))
 
 
+@pytest.mark.slow
 def test_fsdp1():
     run(fsdp1_worker)

@@ -12,6 +12,8 @@ import torch
 
 from humanline_kernels.sync._copy import CopyPlan, load_extension
 
+pytestmark = pytest.mark.slow  # the copy extension's C++ and CUDA builds
+
 CSRC = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "csrc")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 nvcc = shutil.which("nvcc")

@@ -21,7 +21,8 @@ from torch import nn
 import humanline_kernels as hk
 from tools.distributed import free_port, run
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+              pytest.mark.slow]  # slow: offloaded FSDP references on two spawned ranks
 
 
 def fsdp1_offloaded(model, mixed=True):

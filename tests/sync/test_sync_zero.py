@@ -20,6 +20,8 @@ from tools.distributed import check_paced, run
 
 deepspeed = pytest.importorskip("deepspeed")
 
+pytestmark = pytest.mark.slow  # DeepSpeed's stages on two spawned ranks
+
 
 class Net(nn.Module):
     def __init__(self, seed, out=3):

@@ -9,6 +9,8 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.slow  # trainers on two spawned ranks
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "examples", "tiny.py")
 
 

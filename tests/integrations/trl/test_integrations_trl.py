@@ -285,6 +285,7 @@ def _adapter_lag(tr, every, steps):
         assert any(not torch.equal(a, b) for a, b in zip(snap.train[t], snap.train[t - 1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every,accum", [(1, 1), (3, 1), (3, 2)])
 def test_dpo_peft_humanline_reference_is_the_pre_update_peft_model(tiny_path, every, accum):
     """humanline=True with PEFT: at every step the reference log-probs equal those of a deep copy of the PEFT model
@@ -326,6 +327,7 @@ def test_dpo_peft_humanline_reference_is_the_pre_update_peft_model(tiny_path, ev
     assert not any(id(p) in in_opt for p in ref_params) and in_opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every,accum", [(1, 1), (3, 2)])
 def test_grpo_peft_humanline_syncs_a_reference_adapter(tiny_path, every, accum):
     """GRPO: TRL's own reference forward uses the "ref" adapter, which humanline keeps synced."""
@@ -338,6 +340,7 @@ def test_grpo_peft_humanline_syncs_a_reference_adapter(tiny_path, every, accum):
     assert tr.hk_sync.num_syncs == len(range(0, 4, every))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every,accum", [(1, 1), (3, 2)])
 def test_kto_peft_humanline_syncs_a_reference_adapter(tiny_path, every, accum):
     kw = dict(COMMON, output_dir=tiny_path + "/kto-peft", per_device_train_batch_size=4, max_steps=4,

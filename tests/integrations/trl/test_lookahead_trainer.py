@@ -22,7 +22,8 @@ from humanline_kernels.integrations.trl import (  # noqa: E402
     HumanlineKTOTrainer,
 )
 
-pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS)
+pytestmark = [pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS),
+              pytest.mark.slow]  # slow: trainer runs
 
 TRAINERS = {"dpo": (HumanlineDPOTrainer, HumanlineDPOConfig, pref_data),
             "kto": (HumanlineKTOTrainer, HumanlineKTOConfig, kto_data)}

@@ -25,6 +25,8 @@ from humanline_kernels.integrations.trl import (  # noqa: E402
     HumanlineKTOTrainer,
 )
 
+pytestmark = pytest.mark.slow  # trainer runs stopped and resumed
+
 _spec = importlib.util.spec_from_file_location(
     "hk_trl_tests", os.path.join(os.path.dirname(__file__), "test_integrations_trl.py"))
 T = importlib.util.module_from_spec(_spec)

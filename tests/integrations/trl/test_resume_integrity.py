@@ -21,6 +21,8 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from humanline_kernels.integrations.transformers import RUN_MARKER, HumanlineSyncCallback  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trainer runs stopped and resumed
+
 _spec = importlib.util.spec_from_file_location(
     "hk_resume_tests_integrity", os.path.join(os.path.dirname(__file__), "test_resume.py"))
 R = importlib.util.module_from_spec(_spec)

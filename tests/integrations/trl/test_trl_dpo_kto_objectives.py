@@ -90,6 +90,7 @@ OTHERS = [("off", "sigmoid", _alone("sigmoid")), ("off", "aot", _alone("aot")), 
           ("logits", "ld_alpha_0", OPTIONS["ld_alpha_0"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for _, c in LINEAR], ids=[i for i, _ in LINEAR])
 def test_dpo_linear_matches_trl(tiny_path, case):
     _dpo_matches_trl(tiny_path, "linear", case)

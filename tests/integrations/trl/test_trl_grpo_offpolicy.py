@@ -16,7 +16,8 @@ import humanline_kernels.integrations.trl as hk_trl  # noqa: E402
 from humanline_kernels.integrations.trl import HumanlineGRPOConfig, HumanlineGRPOTrainer  # noqa: E402
 from humanline_kernels.integrations.trl._grpo_lookahead import BufferLookahead  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS)
+pytestmark = [pytest.mark.filterwarnings("error::FutureWarning", *TRL_DEPRECATIONS),
+              pytest.mark.slow]  # slow: trainer runs
 
 CLIP = hk.HumanlineClip(-0.05, 0.05)  # narrow: the clamp is active once the policy has moved
 STEPS = 9  # three generations of 4 steps (the last one cut short): crossings at steps 4 and 8

@@ -194,6 +194,7 @@ def test_each_option_matches_trl_fused_off(pairs, loss_type, option):
 
 
 # At the fused levels (our kernels on the Triton interpreter: slower) each option once, the loss types in turn.
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", ["logits", "linear"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_each_option_matches_trl_fused(pairs, fused, option):
@@ -205,6 +206,7 @@ def test_each_option_matches_trl_fused(pairs, fused, option):
     _check(pairs, fused, loss_type=loss_type, epsilon_high=_eps(loss_type), **OPTIONS[option])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("loss_type", TYPES)
 def test_all_options_at_once_match_trl(pairs, fused, loss_type):

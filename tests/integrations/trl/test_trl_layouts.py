@@ -33,7 +33,8 @@ from humanline_kernels.integrations.trl import (  # noqa: E402
 )
 from humanline_kernels.integrations.trl._layouts import LayoutCollator, completion_ranges, pack  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("error::FutureWarning", *T.TRL_DEPRECATIONS)
+pytestmark = [pytest.mark.filterwarnings("error::FutureWarning", *T.TRL_DEPRECATIONS),
+              pytest.mark.slow]  # slow: trainer runs
 COMMON, tiny, tiny_path = T.COMMON, T.tiny, T.tiny_path
 BAND = dict(log_eps_p=-0.02, log_eps_r=0.02)
 
