@@ -57,8 +57,8 @@ def compiling(arch, launches):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from bench.host_proxy import StandInDriver
     from humanline_kernels.ops import _jit
+    from tools.stand_in_driver import StandInDriver
 
     with warnings.catch_warnings():  # isinstance() on every object wakes torch's deprecated module attributes
         warnings.simplefilter("ignore")

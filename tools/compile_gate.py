@@ -43,7 +43,7 @@ import triton  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from tools/
-from bench.host_proxy import StandInDriver  # noqa: E402  (a target, device 0, stream 0; never launches here)
+from tools.stand_in_driver import StandInDriver  # noqa: E402  (a target, device 0, stream 0; never launches here)
 
 SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte aligned rows)
     "aligned": ((2, 8, 32000), None, True),
