@@ -92,8 +92,9 @@ def _rel(a, b):
 
 def parity(N, V, D, device="cuda", only=None):
     """Every fused path against hk.reference at one big shape; returns rows with errors and a pass flag
-    (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/test_bench_cli.py runs it;
-    ``only``: the rows whose name contains one of these strings, e.g. ``["cluster"]`` in a device call's script)."""
+    (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/bench/test_bench_cli.py runs
+    it; ``only``: the rows whose name contains one of these strings, e.g. ``["cluster"]`` in a device call's
+    script)."""
     import humanline_kernels as hk
     dev, bf = device, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)

@@ -68,7 +68,7 @@ def _calls(N, V, D, device, dtype):
 def _count_launches(fn, device):
     """``(launches, kernels)`` of one call: the device activity the torch profiler records (kernels, memsets, memcpys;
     aten ops on CPU) and, on CUDA, how many of each by name, so that a count over the budget says what the extra
-    launches are (run 3: 12 for a one-chunk fused-linear loss where tests/test_launch_budget.py counts 9 ops)."""
+    launches are (run 3: 12 for a one-chunk fused-linear loss where tests/ops/test_launch_budget.py counts 9 ops)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:

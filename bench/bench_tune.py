@@ -140,7 +140,7 @@ def run(N, vocabs, families, *, quick, out_dir, write):
         with open(tuning.TABLE_PATH, "w") as f:
             json.dump(tuned, f, indent=2)
         tuning.set_table(None)
-        print(f"wrote {tuning.TABLE_PATH}: run the compile gate (tests/test_compile_gate.py) before committing it")
+        print(f"wrote {tuning.TABLE_PATH}: run the compile gate (tests/ops/test_compile_gate.py) before committing it")
     return path
 
 

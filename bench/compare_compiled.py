@@ -7,7 +7,7 @@ Each case is the call ``python -m bench logits`` times (forward + backward, bf16
 ``[1, N + 1, V]`` as the bench passes them), run on ``meta`` tensors with every Triton launch compiled instead of
 launched: Triton's own ``JITFunction.run`` specialises the arguments exactly as at run time and builds for
 ``GPUTarget("cuda", arch, 32)`` with the ptxas inside the triton wheel (the compile gate's way,
-tests/compile_gate.py); launch parameters (grid, ``num_warps``, block sizes) are the launchers' own. Per compiled
+tools/compile_gate.py); launch parameters (grid, ``num_warps``, block sizes) are the launchers' own. Per compiled
 kernel it prints registers, local memory, shared memory, warps, programs and rows per program, an occupancy estimate,
 the global loads and stores of the PTX (vector width, cache and eviction hints) and of the SASS, each loop's SASS
 instructions per trip and per element, and what runs after the hot loop. Per case it counts the device launches of
@@ -57,8 +57,8 @@ def compiling(arch, launches):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from bench.host_proxy import StandInDriver
     from humanline_kernels.ops import _jit
+    from tools.stand_in_driver import StandInDriver
 
     with warnings.catch_warnings():  # isinstance() on every object wakes torch's deprecated module attributes
         warnings.simplefilter("ignore")
@@ -91,7 +91,7 @@ def compiling(arch, launches):
         driver.set_active(previous)
 
 
-# ops that launch nothing on a GPU (tests/test_launch_budget.py's list): views, metadata, allocation without a fill
+# ops that launch nothing on a GPU (tests/ops/test_launch_budget.py's list): views, metadata, allocation without a fill
 _FREE = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "detach", "alias", "as_strided",
          "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "unsqueeze", "squeeze", "permute",
          "reshape", "_reshape_alias", "lift_fresh", "unbind", "split", "split_with_sizes", "diagonal", "narrow",

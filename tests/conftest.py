@@ -30,16 +30,20 @@ else:
 
 # Under xdist (the README's command: -n auto --dist loadfile) a worker takes a file at a time, so the longest files
 # go first (the compile gate's two compilers; the nvcc and host-compiler builds of the copy extension; three trainer
-# runs per resume case) and the run does not end on one of them with the other workers idle. Serial runs only change
-# order.
-_FIRST = ("test_compile_gate.py", "test_sync_kernel.py", "test_layouts.py", "test_resume.py", "test_tensor_parallel.py")
+# runs per resume case; the fuzz; then the longest of the README's selection) and the run does not end on one of them
+# with the other workers idle. Serial runs only change order.
+_FIRST = ("tests/ops/test_compile_gate.py", "tests/sync/test_sync_kernel.py", "tests/integrations/trl/test_resume.py",
+          "tests/integrations/trl/test_trl_grpo_offpolicy.py", "tests/test_fuzz.py", "tests/test_layouts.py",
+          "tests/test_objectives.py", "tests/ops/test_fold.py",
+          "tests/test_tensor_parallel.py")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread pool per core, not per worker
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -12,6 +12,8 @@ import torch
 
 from humanline_kernels import demo
 
+pytestmark = pytest.mark.slow  # the demo's training runs
+
 
 def test_rule_checker():
     prompts = torch.tensor([[demo.BOS, 4, 5, 6, 4 + demo.K - 1, demo.SEP]])

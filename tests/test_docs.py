@@ -471,7 +471,8 @@ def _test_sources(name):
     """The source of each test called ``name`` (``test_x`` or ``tests/file.py::test_x``), with the module-level
     lists its decorators name (a parametrisation's cases)."""
     path, _, name = name.rpartition("::")
-    paths = [os.path.join(ROOT, path)] if path else glob.glob(os.path.join(ROOT, "tests", "test_*.py"))
+    paths = ([os.path.join(ROOT, path)] if path
+             else glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True))
     out = []
     for path in paths:
         if not os.path.exists(path):
@@ -498,7 +499,7 @@ def test_each_refusal_names_a_test_of_it(page, line, arg, span):
     items = re.split(r"\n\s*\* ", span) if "\n* " in "\n" + span.lstrip() else _split(span.replace(" and ", ", "))
     checked = 0
     for item in (i for i in items if i.strip()):
-        named = [t for t in re.findall(r"`([^`]+)`", item) if re.fullmatch(r"(tests/\w+\.py::)?test_\w+", t)]
+        named = [t for t in re.findall(r"`([^`]+)`", item) if re.fullmatch(r"(tests/[\w/]+\.py::)?test_\w+", t)]
         assert named, f"{page}:{line}: no test named for the refusal {item.strip()[:80]!r}"
         sources = ""
         for t in named:
@@ -540,9 +541,9 @@ def test_dtypes_are_as_the_docs_say():
 
 def test_design_states_the_fused_linear_launch_counts_the_launch_test_holds():
     """docs/design.md's Host bullet: ``4 per chunk + 5`` for GRPO at any chunk count and one-chunk DPO/KTO, ``8``
-    (DPO) and ``6`` (KTO) ``per chunk + 4`` with several chunks, as tests/test_launch_budget.py's budgets and
+    (DPO) and ``6`` (KTO) ``per chunk + 4`` with several chunks, as tests/ops/test_launch_budget.py's budgets and
     ceilings have them."""
-    spec = importlib.util.spec_from_file_location("hk_launch_budget", os.path.join(ROOT, "tests",
+    spec = importlib.util.spec_from_file_location("hk_launch_budget", os.path.join(ROOT, "tests", "ops",
                                                                                    "test_launch_budget.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -597,8 +598,8 @@ def test_readme_names_the_demos_flags():
     assert flags <= set(re.findall(r"(--[a-z][a-z-]*)", text)), sorted(flags - set(re.findall(r"--[a-z-]+", text)))
 
 
-PATH = re.compile(r"(?<![\w/.-])((?:tests|examples|bench|humanline_kernels|csrc|docs|ops|integrations|sync)/[\w./-]*\w)"
-                  r"(?:::(\w+))?")
+PATH = re.compile(r"(?<![\w/.-])((?:tests|tools|examples|bench|humanline_kernels|csrc|docs|ops|integrations|sync)/"
+                  r"[\w./-]*\w)(?:::(\w+))?")
 
 
 def test_files_and_functions_the_docs_name_exist():
@@ -623,7 +624,7 @@ def test_environment_variables_the_docs_name_are_read():
     """An ``HK_*`` / ``HUMANLINE_*`` variable the docs name is read somewhere in the code (a removed switch leaves no
     instruction behind)."""
     code = ""
-    for pattern in ("humanline_kernels/**/*.py", "bench/*.py", "tests/*.py", "setup.py"):
+    for pattern in ("humanline_kernels/**/*.py", "bench/*.py", "tests/**/*.py", "tools/*.py", "setup.py"):
         for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
             if not path.endswith("test_docs.py"):
                 code += _read(os.path.relpath(path, ROOT))

@@ -25,6 +25,7 @@ def test_plain_loop():
     assert hist[1]["loss"] != hist[0]["loss"] and all(math.isfinite(h["loss"]) for h in hist)
 
 
+@pytest.mark.slow
 def test_lookahead_loop_trains_like_the_synced_plain_loop():
     """examples/lookahead_loop.py (no reference model) gives the losses and metrics of examples/plain_loop.py."""
     args = ["--steps", "5", "--pairs", "2", "--sync-every", "2", "--lr", "1e-2"]

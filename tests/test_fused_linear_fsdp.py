@@ -7,12 +7,13 @@ batch, so the averaged gradients must equal a single-process eager computation t
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run
 from torch import nn
 
 import humanline_kernels as hk
+from tools.distributed import run
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+              pytest.mark.slow]  # slow: FSDP and ZeRO-3 on two spawned ranks
 V, D, B, T = 37, 16, 4, 5
 
 

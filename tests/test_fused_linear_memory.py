@@ -210,6 +210,7 @@ def _bf16_grpo(N_rows=4, T=1024, D=32, V=256, seed=0):
     return h, w, y, ref, adv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interp", ["0", "1"], ids=["eager", "triton"])
 def test_dw_accumulates_in_the_weights_dtype_and_is_handed_over(monkeypatch, interp):
     """``dW`` is one ``[V, D]`` tensor of the weight's dtype, accumulated in place chunk by chunk; the backward

@@ -199,6 +199,7 @@ def test_property_grpo(B, T, V, seed, gif):
     _run("grpo", x, y, ref, (adv,), dict(beta=0.04, loss_type="grpo", grad_in_forward=gif))
 
 
+@pytest.mark.slow
 def test_opcheck():
     """Every launcher's torch.library op: schema, fake tensors, autograd registration, AOT dispatch."""
     x, y, ref = _data(2, 3, 40)

@@ -1,4 +1,4 @@
-"""The public API fuzzed (issue 52): ``tests/fuzz_api.py`` draws cases with hypothesis (a fixed seed and example
+"""The public API fuzzed (issue 52): ``tools/fuzz_api.py`` draws cases with hypothesis (a fixed seed and example
 budget) and checks each against ``hk.reference`` (valid calls), a ValueError naming the argument before any kernel
 runs (corrupted ones), and, always, untouched inputs and guard elements. It runs in a subprocess: a case that
 crashes the process (an abort, a segfault, a CUDA fault) fails this test naming the case, instead of killing the
@@ -8,7 +8,7 @@ Budgets: ``HK_FUZZ_EXAMPLES`` cases (CI: 1000, about 35 s on one core of the CI 
 or ``HK_FUZZ_PROFILE=long`` (5000 cases and another seed, by hand: about 3 min). On a GPU,
 ``test_fuzz_public_api_cuda`` runs the compiled kernels with ``CUDA_LAUNCH_BLOCKING=1``, and a sample under
 ``compute-sanitizer --tool memcheck`` when the image has it. A failing case replays with
-``python tests/fuzz_api.py --replay '<its JSON line>'``.
+``python tools/fuzz_api.py --replay '<its JSON line>'``.
 """
 import json
 import os
@@ -20,6 +20,8 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
+pytestmark = pytest.mark.slow  # a thousand drawn cases
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LONG = os.environ.get("HK_FUZZ_PROFILE") == "long"
 EXAMPLES = int(os.environ.get("HK_FUZZ_EXAMPLES", 5000 if LONG else 1000))
@@ -29,8 +31,8 @@ SEED = 520 if LONG else 52
 def _fuzz(tmp_path, *extra, env=None, timeout=900, prefix=()):
     """Runs the worker; returns its summary (cases run, by level, loss and outcome)."""
     log = tmp_path / "cases.jsonl"
-    cmd = [*prefix, sys.executable, os.path.join(HERE, "fuzz_api.py"), "--seed", str(SEED), "--log", str(log),
-           *extra]
+    cmd = [*prefix, sys.executable, os.path.join(os.path.dirname(HERE), "tools", "fuzz_api.py"), "--seed", str(SEED),
+           "--log", str(log), *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
            **(env or {})}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -39,7 +41,7 @@ def _fuzz(tmp_path, *extra, env=None, timeout=900, prefix=()):
     if p.returncode != 0:
         if p.returncode < 0 or not summary:  # killed by a signal, or died before its summary: a crash
             raise AssertionError(f"the fuzz worker crashed (exit {p.returncode}) in the case\n  "
-                                 f"{lines[-1] if lines else '(none logged)'}\nreplay: python tests/fuzz_api.py "
+                                 f"{lines[-1] if lines else '(none logged)'}\nreplay: python tools/fuzz_api.py "
                                  f"--replay '<that line>'\n{p.stderr[-3000:]}")
         raise AssertionError(f"a fuzz case failed (hypothesis' report below; its last case: "
                              f"{lines[-1] if lines else ''})\n{p.stdout[-6000:]}\n{p.stderr[-6000:]}")

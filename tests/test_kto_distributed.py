@@ -1,9 +1,9 @@
 """KTO's KL baseline is all-reduced (sum and count) across ranks: gloo, world size 2, spawned processes."""
 import torch
 import torch.multiprocessing as mp
-from _dist import run
 
 import humanline_kernels as hk
+from tools.distributed import run
 
 
 def _kl_rows(rank):

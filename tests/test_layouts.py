@@ -175,6 +175,7 @@ def test_fused_linear_layouts(case, layout, interp, monkeypatch):
     _compare("fused_linear", case, layout, _batch(), 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["packed", "supervised", "packed+supervised"])
 @pytest.mark.parametrize("case", ["dpo", "kto", "grpo", "ipo"])
 def test_fused_linear_layouts_in_small_chunks(case, layout, monkeypatch):

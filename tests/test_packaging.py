@@ -40,15 +40,16 @@ def test_sdist_has_everything_to_build_and_test(dists):
     names = dists[0]
     need = ["LICENSE", "README.md", "CHANGELOG.md", "CITATION.cff", "pyproject.toml", "setup.py", "MANIFEST.in",
             "csrc/multi_tensor_copy.cpp", "csrc/multi_tensor_copy.h", "csrc/multi_tensor_copy_kernel.cu",
-            "csrc/multi_tensor_copy_kernel.cuh", "tests/conftest.py", "tests/_dist.py",
-            "tests/compile_gate.py", "tests/test_fused_losses.py", "docs/kernels.md", "examples/tiny.py",
+            "csrc/multi_tensor_copy_kernel.cuh", "tests/conftest.py", "tools/distributed.py",
+            "tools/compile_gate.py", "tools/fuzz_api.py", "tests/test_fused_losses.py", "tests/ops/test_fold.py",
+            "docs/kernels.md", "examples/tiny.py",
             "examples/data/toy_preferences.jsonl", "humanline_kernels/ops/_jit.py", "humanline_kernels/ops/tuned.json",
             "bench/bench_gpu.py", "bench/cli.py"]
     missing = [n for n in need if n not in names]
     assert not missing, missing
     # every test helper a test module imports travels with it
-    for mod in ("_dist", "compile_gate", "test_fused_losses"):
-        assert f"tests/{mod}.py" in names
+    for mod in ("tools/distributed", "tools/verl_cpu", "tools/compile_gate", "tests/test_fused_losses"):
+        assert f"{mod}.py" in names
     assert not any(n.startswith(("bench/out/", "bench/results/")) or "__pycache__" in n for n in names)
 
 
@@ -73,7 +74,7 @@ def test_build_has_no_license_deprecation_warning(dists):
 
 def test_setup_py_in_the_sdist_finds_the_cuda_sources(dists, monkeypatch):
     """On a machine with nvcc and a CUDA torch, the unpacked sdist's setup.py declares the extension from sources
-    that are there (CUDA faked: the compile itself is checked by tests/test_sync_kernel.py)."""
+    that are there (CUDA faked: the compile itself is checked by tests/sync/test_sync_kernel.py)."""
     import importlib.util
 
     import setuptools

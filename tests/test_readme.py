@@ -32,6 +32,19 @@ def _record():
         return json.load(f)
 
 
+def test_the_test_command_leaves_out_the_slow_tests_and_ci_runs_them():
+    """README's command is the suite less the tests marked slow; .ci/run runs it verbatim, then the slow tests but the
+    compile gate, then the compile gate on both version pairs: every test, as before the command was cut."""
+    command = _readme().split("<!-- test-command -->")[1].split("<!-- /test-command -->")[0]
+    assert command.rstrip("`\n ").endswith('-m "not slow"'), command
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert "<!-- test-command -->" in ci and 'eval "$cmd"' in ci
+    assert "-m slow \\\n    --ignore tests/ops/test_compile_gate.py" in ci
+    gate = "-m pytest -q -p no:cacheprovider tests/ops/test_compile_gate.py"
+    assert ci.count(f"python {gate}") == 1 and ci.count(f'"$venv/bin/python" {gate}') == 1
+
+
 def test_benchmarks_section_is_the_reports_output_for_the_runs_it_names():
     runs, content = _block("benchmarks")
     assert runs.split(), "the benchmarks marker names no run"
@@ -107,6 +120,7 @@ def test_demo_record_is_the_default_run_of_every_objective():
         assert e["machine"]["device"] == "cpu" and e["commit"] and not e["dirty"]
 
 
+@pytest.mark.slow
 def test_demo_record_still_describes_the_code():
     """The canary recorded with the table, run again: any change to what the demo computes (data, training, the
     package's losses or syncer, evaluation) or to torch's numerics changes the bits recorded for this CPU, or, on

@@ -700,7 +700,8 @@ def _kl_estimate_worker(rank, world, out):
 
 def test_kto_kl_estimates_across_ranks():
     import torch.multiprocessing as mp
-    from _dist import run
+
+    from tools.distributed import run
 
     with mp.Manager() as manager:
         out = manager.dict()

@@ -1,6 +1,6 @@
 """``process_group=``: the vocabulary split over the ranks of a group (Megatron's column-parallel lm_head).
 
-Real gloo groups on CPU (spawned processes, tests/_dist.py), world size 2 with uneven slices (V = 37 as 20 + 17)
+Real gloo groups on CPU (spawned processes, tools/distributed.py), world size 2 with uneven slices (V = 37 as 20 + 17)
 and 4 (9 + 11 + 8 + 9). Every rank builds the same full inputs, keeps its slice of the logits (or of the lm_head
 weight), and compares the sharded call's outputs, loss, metrics and gradient slice with the unsharded call on the
 full vocabulary (and with ``hk.reference``), the Triton kernels (interpreted) and the eager path alike. One spawn per
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run
+from tools.distributed import run
 
 import humanline_kernels as hk
 

@@ -148,9 +148,8 @@ def compile_only(arch):
     """Build every configuration for sm_<arch> with the wheel's ptxas, without a GPU, through Triton's own launch path
     on ``meta`` tensors (the compile gate's stand-in driver: the launch specialises as at run time); print
     registers, spills (``ptxas -v``), 16-byte loads and the acquire/release accesses in the PTX."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     sys.path.insert(0, ROOT)
-    from compile_gate import _install, _resources
+    from tools.compile_gate import _install, _resources
     compiled, ok = [], True
     _install(arch, compiled)
     N, V = 8, 128256

@@ -304,7 +304,7 @@ def row_logp(x_ptr, x_sb, x_st, y_ptr, y_sb, y_st, r, n0, off0, off1, tok_ptr, Q
 def clamp(x, lo, hi):
     # NaN stays NaN (as torch.clamp), so NaN logits give a NaN loss instead of a clamped number. The enum is
     # written inline: bound to a local name, the GPU compiler makes it a tensor and rejects it (the interpreter
-    # accepted it; caught by tests/test_compile_gate.py).
+    # accepted it; caught by tests/ops/test_compile_gate.py).
     return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
 
 

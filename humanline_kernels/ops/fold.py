@@ -19,7 +19,7 @@ store a program made is visible to the program that counts last, which reads the
 counters live in a buffer per (device, stream) that is zero before a launch and zero after it (each counter's
 last arrival resets it), so a call launches no fill and a CUDA graph can replay it. Two launches must not share
 a counter at the same time: launches on one stream are ordered, and each stream has its own buffer. The memory
-ordering can be checked only on a GPU (the interpreter runs programs one after another): tests/test_fold.py's GPU
+ordering can be checked only on a GPU (the interpreter runs programs one after another): tests/ops/test_fold.py's GPU
 test.
 
 KTO's baseline ``z0`` (a walk over the KL rows) is computed by program 0 before its own row, off the critical

@@ -2,7 +2,7 @@
 vocabulary size, read by the launchers from ``tuned.json`` beside this file.
 
 ``python -m bench tune`` times each family's :data:`CANDIDATES` on the lent GPU (a candidate that spills there is
-dropped) and writes the table; the compile gate (tests/compile_gate.py) compiles every configuration of the
+dropped) and writes the table; the compile gate (tools/compile_gate.py) compiles every configuration of the
 committed table for sm_90 and sm_80, so a tuned configuration is spill-free on both version pairs before it lands.
 An entry applies to CUDA tensors of that card (``torch.cuda.get_device_name``) whose rows are 16-byte aligned and
 of that dtype, at the nearest tuned vocabulary size within a factor of 2; everything else keeps the launchers'

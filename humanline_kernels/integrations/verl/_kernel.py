@@ -8,8 +8,8 @@ With ``model.use_fused_kernels=True`` and ``fused_kernel_options.impl_backend=tr
 so every later forward in the process (actor and reference alike) computes its log-probs with our kernel.
 
 verl adds ``-entropy_coeff * entropy`` to the loss (``ppo_loss``). The entropy returned here is differentiable (as
-``token_logprobs``' is), so the entropy bonus trains through it (tests/test_verl_kernel.py and
-tests/test_verl_tensor_parallel.py check its gradient against verl's torch path).
+``token_logprobs``' is), so the entropy bonus trains through it (tests/integrations/verl/test_verl_kernel.py and
+tests/integrations/verl/test_verl_tensor_parallel.py check its gradient against verl's torch path).
 
 ``dist_process_group`` (verl's Megatron forward passes the tensor-parallel group): ``weight`` is this rank's slice of
 a vocabulary-parallel lm_head; the log-probs and entropy are the whole vocabulary's, the weight's gradient is the
