@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from tools.distributed import run
 
 import humanline_kernels as hk
+from tools.distributed import run
 
 V = 37
 SPLITS = {2: (20, 17), 4: (9, 11, 8, 9)}

@@ -71,6 +71,7 @@ def test_refusals():
     h, w, y = torch.randn(4, 8), torch.randn(13, 8), torch.randint(0, 13, (4,))
     with pytest.raises(ValueError, match="only reduction='none'"):
         _kernel.linear_cross_entropy(h, w, y, 1.0, "mean")
-    # a tensor-parallel group is taken (tests/integrations/verl/test_verl_tensor_parallel.py), but only one of torch.distributed's
+    # a tensor-parallel group is taken (tests/integrations/verl/test_verl_tensor_parallel.py), but only one of
+    # torch.distributed's
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
         _kernel.linear_cross_entropy(h, w, y, 1.0, "none", object())

@@ -18,10 +18,10 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from tools.distributed import run  # noqa: E402
 
 import humanline_kernels as hk  # noqa: E402
 from humanline_kernels.integrations.verl import _kernel  # noqa: E402
+from tools.distributed import run  # noqa: E402
 
 D, N = 8, 10
 SPLITS = ((16, 13), (15, 15))  # the vocabulary's slices: uneven (ours only), even (megatron-core's too)
