@@ -53,8 +53,12 @@ _KERNELS = None
 
 def _kernels():
     """:mod:`.ops.kernels`, the launchers (importing it imports Triton: only once a call has decided for the kernels;
-    then held here, so a call does not pay the import)."""
+    then held here, so a call does not pay the import). Traced by ``torch.compile``, imported without reading the
+    holder: a guard on it would recompile the graph traced before the first import once the import set it."""
     global _KERNELS
+    if torch.compiler.is_compiling():
+        from .ops import kernels
+        return kernels
     if _KERNELS is None:
         from .ops import kernels
         _KERNELS = kernels
