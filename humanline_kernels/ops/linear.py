@@ -45,9 +45,12 @@ def token_chunks(N, max_rows):
 
 
 def row_chunks(B, T, max_rows):
-    """Whole rows (KTO: a row's coefficient needs its full sum). One row at least, even above the budget."""
+    """Whole rows (KTO: a row's coefficient needs its full sum). One row at least, even above the budget. One chunk
+    asks only ``B T <= max_rows`` of symbolic sizes (as :func:`token_chunks`)."""
     if T == 0:  # no tokens: one empty chunk
         return [((0, 0),)]
+    if B * T <= max_rows:
+        return [((0, B * T),)]
     k = max(1, max_rows // T)
     return [((r * T, min(B, r + k) * T),) for r in range(0, B, k)]
 
