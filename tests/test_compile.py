@@ -60,7 +60,8 @@ CALLS = {
     "fused.grpo(packed, dr_grpo)": lambda x, y, ref, adv, **_: hk.fused.grpo(
         x.reshape(B * T, V), y.reshape(-1), ref.reshape(-1), adv, loss_type="dr_grpo", packed=PACKED),
     "fused.dpo": lambda x, y, ref, **_: hk.fused.dpo(x, y, ref),
-    "fused.kto": lambda x, y, ref, **_: hk.fused.kto(x, y, ref, DES, ref.detach(), ref.detach() - 0.2, y != -100),
+    "fused.kto": lambda x, y, ref, **_: hk.fused.kto(x, y, ref, DES.to(y.device), ref.detach(), ref.detach() - 0.2,
+                                                     y != -100),
     "fused.dpo(hinge)": lambda x, y, ref, **_: hk.fused.dpo(x, y, ref, loss_type="hinge", clip=None),
     "fused.simpo": lambda x, y, **_: hk.fused.simpo(x, y),
     "fused_linear.token_logprobs(entropy)": lambda h, w, y, **_: hk.fused_linear.token_logprobs(
@@ -74,7 +75,7 @@ CALLS = {
     "fused_linear.dpo(packed)": lambda h, w, y, ref, **_: hk.fused_linear.dpo(
         h.reshape(1, B * T, D), w, _flat(y), _flat(ref), packed=PACKED),
     "fused_linear.kto": lambda h, w, y, ref, **_: hk.fused_linear.kto(
-        h, w, y, ref, DES, ref.detach(), ref.detach() - 0.2, y != -100),
+        h, w, y, ref, DES.to(y.device), ref.detach(), ref.detach() - 0.2, y != -100),
     "fused_linear.ipo": lambda h, w, y, ref, **_: hk.fused_linear.ipo(h, w, y, ref),
     "losses.grpo(entropy bonus, quantile)": lambda lp, ref, adv, y, ent, **_: hk.losses.grpo(
         lp, ref, adv, y != -100, entropies=ent, top_entropy_quantile=0.5, entropy_coef=0.01),
@@ -150,7 +151,7 @@ DYNAMIC = {
     "fused.dpo": lambda x, y, ref, **_: hk.fused.dpo(x, y, ref),
     "fused_linear.token_logprobs": lambda h, w, y, **_: hk.fused_linear.token_logprobs(h, w, y, return_entropy=True),
     "fused_linear.grpo": lambda h, w, y, ref, adv, **_: hk.fused_linear.grpo(h, w, y, ref, adv),
-    "fused_linear.kto": lambda h, w, y, ref, **_: hk.fused_linear.kto(h, w, y, ref, DES),
+    "fused_linear.kto": lambda h, w, y, ref, **_: hk.fused_linear.kto(h, w, y, ref, DES.to(y.device)),
 }
 
 
