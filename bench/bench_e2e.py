@@ -2,7 +2,8 @@
 and the same inside TRL's trainers (stock ``trl.DPOTrainer`` vs ``HumanlineDPOTrainer``).
 
 ``python -m bench e2e [--quick] [--out DIR] [--arms ARM ...] [--hidden H] [--layers L] [--heads A] [--kv-heads K]
-[--intermediate I] [--vocab V] [--batch B] [--seq T] [--warmup W] [--steps S] [--lr LR] [--slices N]``
+[--intermediate I] [--vocab V] [--batch B] [--seq T] [--warmup W] [--steps S] [--lr LR] [--slices N]
+[--compile-backend B]``
 
 One step = forward, backward and a fused AdamW step (``zero_grad(set_to_none=True)``) of a
 ``transformers.LlamaForCausalLM`` built from a config (default: Llama 3.2 1B's shape with an untied lm_head,
@@ -27,7 +28,11 @@ token, is scored). Arms, each built fresh from the same seed (so the same initia
 * ``trl_dpo``, ``trl_sync``, ``trl_lookahead``: ``trl.DPOTrainer`` (a frozen reference model, TRL's default) and
   ``HumanlineDPOTrainer`` (``fused="linear"``; a synced reference model, or ``humanline_reference="lookahead"``)
   training the same model on the same batches with the same optimizer, timed inside the trainer's loop
-  (``bench/e2e_trl.py``); the humanline trainers are held to 1.02x ``trl_dpo``.
+  (``bench/e2e_trl.py``); the humanline trainers are held to 1.02x ``trl_dpo``;
+* ``trl_dpo_compile``, ``trl_sync_compile``: ``trl_dpo`` and ``trl_sync`` with ``torch_compile=True``
+  (``--compile-backend``, Inductor by default) and gradient checkpointing off in both (TRL 1.16 toggles it around
+  the reference forward, and each toggle leaves transformers 5 one more hook, so a compiled stock step would
+  recompile every step); the compile happens in the warm-up. Only when asked for (``--arms``).
 
 Reported per arm: median ms over the timed steps (CUDA events; ``perf_counter`` on CPU), ratio to ``offline``,
 issue 16's target for humanline (<= 1.30x offline) as a pass/fail column, the ratio to the arm's baseline
@@ -58,24 +63,31 @@ from .cli import Parser
 # before seconds of imports
 torch = common = None
 
-TRL_ARMS = ("trl_dpo", "trl_sync", "trl_lookahead")  # bench/e2e_trl.py
+COMPILE_ARMS = ("trl_dpo_compile", "trl_sync_compile")  # torch_compile=True: run only when asked for
+TRL_ARMS = ("trl_dpo", "trl_sync", "trl_lookahead", *COMPILE_ARMS)  # bench/e2e_trl.py
 ARMS = ("offline", "offline_ref", "offline_eager", "sync", "sync_ce", "sync_paced", "lookahead", "authors", *TRL_ARMS)
-HUMANLINE = ("sync", "sync_ce", "sync_paced", "lookahead", "authors", "trl_sync", "trl_lookahead")
+DEFAULT_ARMS = tuple(arm for arm in ARMS if arm not in COMPILE_ARMS)
+HUMANLINE = ("sync", "sync_ce", "sync_paced", "lookahead", "authors", "trl_sync", "trl_lookahead", "trl_sync_compile")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 TARGET = 1.30  # issue 16: a humanline step costs at most 1.30x the offline step
 TARGET_REF = 1.02  # issue 54: ... and at most 1.02x the offline step that runs a reference forward (TRL's default)
 BASELINE = {"sync": "offline_ref", "sync_ce": "offline_ref", "sync_paced": "offline_ref", "lookahead": "offline_ref",
-            "authors": "offline_ref", "trl_sync": "trl_dpo", "trl_lookahead": "trl_dpo"}
+            "authors": "offline_ref", "trl_sync": "trl_dpo", "trl_lookahead": "trl_dpo",
+            "trl_sync_compile": "trl_dpo_compile"}
 CHECK_STEP = 2  # the first step whose reference is an updated policy (steps 0 and 1 use theta_0)
 # arm -> the arm whose losses it must reproduce: the same math on the same weights and batches
 SAME_AS = {"sync_ce": "sync", "sync_paced": "sync", "lookahead": "sync", "authors": "sync", "trl_sync": "sync",
-           "trl_lookahead": "sync", "offline_ref": "offline", "trl_dpo": "offline"}
+           "trl_lookahead": "sync", "offline_ref": "offline", "trl_dpo": "offline", "trl_sync_compile": "sync",
+           "trl_dpo_compile": "offline"}
 # |loss difference| allowed at CHECK_STEP: sync and lookahead, offline and offline_ref run the same kernels on the
 # same weights (bit-equal on CPU; a GPU backward with atomics may differ by rounding); the authors' way (eager
 # logits) and the trainers (their own heads and sums: TRL's log-prob head for trl_dpo) compute the same with others.
 TOL = {"fp32": {"sync_ce": 1e-5, "sync_paced": 1e-5, "lookahead": 1e-5, "offline_ref": 1e-5, "authors": 1e-4,
-                "trl_dpo": 1e-4, "trl_sync": 1e-4, "trl_lookahead": 1e-4},
+                "trl_dpo": 1e-4, "trl_sync": 1e-4, "trl_lookahead": 1e-4, "trl_dpo_compile": 1e-4,
+                "trl_sync_compile": 1e-4},
        "bf16": {"sync_ce": 1e-2, "sync_paced": 1e-2, "lookahead": 1e-2, "offline_ref": 1e-2, "authors": 5e-2,
-                "trl_dpo": 5e-2, "trl_sync": 5e-2, "trl_lookahead": 5e-2}}
+                "trl_dpo": 5e-2, "trl_sync": 5e-2, "trl_lookahead": 5e-2, "trl_dpo_compile": 5e-2,
+                "trl_sync_compile": 5e-2}}
 # On a GPU the same arm run twice does not give the same step-2 loss: the backward is not bit-reproducible (SDPA's
 # attention backward accumulates with atomics) and AdamW's first steps, ~lr * sign(g), turn rounding differences
 # into different weights; arms with other kernels (authors, TRL's head and its gradient checkpointing) diverge the
@@ -329,13 +341,16 @@ def main(argv=None):
     p = Parser(prog="python -m bench e2e", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny fp32 model on CPU, seconds (a smoke run)")
     p.add_argument("--out", default=os.path.join("bench", "out"), help="output directory (default bench/out)")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS,
-                   help="arms to run (offline always runs, and each arm's baseline and the arm it is checked against)")
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS,
+                   help="arms to run (offline always runs, and each arm's baseline and the arm it is checked against; "
+                        f"default: all but {', '.join(COMPILE_ARMS)})")
     for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "seq", "warmup", "steps"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"default {FULL[k]} ({QUICK[k]} with --quick)")
     p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']})")
     p.add_argument("--slices", type=int, default=16, help="parts of sync_paced's copy (default 16)")
+    p.add_argument("--compile-backend", default="inductor", choices=COMPILE_BACKENDS,
+                   help="torch_compile_backend of the *_compile arms (default inductor)")
     p.add_argument("--supervised", action="store_true",
                    help="the hk arms run the lm_head on the completion half of each row only (supervised= ranges)")
     a = p.parse_args(argv)
@@ -420,7 +435,9 @@ def main(argv=None):
               "sync_paced": f"humanline hk sync, copy engines, in {a.slices} slices through the step",
               "lookahead": "humanline hk lookahead", "authors": "humanline authors' way",
               "trl_dpo": "trl.DPOTrainer, frozen reference model (TRL's defaults: gradient checkpointing)",
-              "trl_sync": "HumanlineDPOTrainer sync", "trl_lookahead": "HumanlineDPOTrainer lookahead"}
+              "trl_sync": "HumanlineDPOTrainer sync", "trl_lookahead": "HumanlineDPOTrainer lookahead",
+              "trl_dpo_compile": f"trl.DPOTrainer, torch_compile ({a.compile_backend}), no checkpointing",
+              "trl_sync_compile": f"HumanlineDPOTrainer sync, torch_compile ({a.compile_backend}), no checkpointing"}
     rows = []
     for arm in arms:
         r = res[arm]
@@ -451,7 +468,10 @@ def main(argv=None):
             "trl": "same model, batches (as text over a word-level tokenizer of the vocabulary, sequential "
                    "sampler) and optimizer; HumanlineDPOTrainer fused='linear' (lm_head on the completions only); "
                    "trl.DPOTrainer with TRL's own log-prob head (lm_head on the labelled positions only); every TRL "
-                   "arm with TRL 1.16's default gradient_checkpointing=True (so its peak is below the plain arms')",
+                   "arm with TRL 1.16's default gradient_checkpointing=True (so its peak is below the plain arms'), "
+                   "but the *_compile arms (torch_compile=True, gradient_checkpointing=False; the compile is in "
+                   "the warm-up)",
+            "compile_backend": a.compile_backend if any(arm in COMPILE_ARMS for arm in arms) else None,
             "peak_GiB": "torch.cuda.max_memory_allocated over the timed steps, reset after the warm-up; "
                         "null on CPU (no allocator statistics)",
             "held_GiB": "bytes held between steps: parameters, optimizer state, reference model, cached "

@@ -4,7 +4,11 @@
   step (TRL's default, ``precompute_ref_log_probs=False``), TRL's own fused log-prob head, no humanline;
 * ``trl_sync``: ``HumanlineDPOTrainer`` (``fused="linear"``, ``sync_every=1``): the same reference model, synced
   from the policy before every update, clip on;
-* ``trl_lookahead``: ``HumanlineDPOTrainer(humanline_reference="lookahead")``: no reference model.
+* ``trl_lookahead``: ``HumanlineDPOTrainer(humanline_reference="lookahead")``: no reference model;
+* ``trl_dpo_compile``, ``trl_sync_compile``: ``trl_dpo`` and ``trl_sync`` with ``torch_compile=True`` (backend
+  ``--compile-backend``) and ``gradient_checkpointing=False`` in both: TRL 1.16 toggles checkpointing around its
+  reference forward, and each toggle leaves transformers 5 one more input-embedding hook, on which the compiled
+  forward's guards fail: the stock arm would recompile every step.
 
 Every arm trains the model of ``bench e2e`` (same seed, so the same initial weights) on the same data: the batches
 of the plain arms written as text over a word-level tokenizer of the model's vocabulary, so that TRL's collator
@@ -24,7 +28,7 @@ import time
 
 import torch
 
-ARMS = ("trl_dpo", "trl_sync", "trl_lookahead")
+ARMS = ("trl_dpo", "trl_sync", "trl_lookahead", "trl_dpo_compile", "trl_sync_compile")
 PAD, EOS, UNK = 0, 1, 2
 FIRST_ID = 3  # token ids below it are the tokenizer's specials; the batches draw theirs from [FIRST_ID, V)
 
@@ -126,11 +130,13 @@ def _train(arm, a, cuda, model, data, out, frozen_copy, adamw, device, tensor_by
                   max_steps=n_steps, train_sampling_strategy="sequential", max_length=None, max_grad_norm=0.0,
                   logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
                   use_cpu=not cuda, bf16=False, dataloader_num_workers=0, beta=0.1)
-    if arm == "trl_dpo":
+    if arm.endswith("_compile"):
+        common.update(torch_compile=True, torch_compile_backend=a.compile_backend, gradient_checkpointing=False)
+    if arm.startswith("trl_dpo"):
         args, cls = DPOConfig(**common), DPOTrainer
     else:
         args = HumanlineDPOConfig(**common, humanline=True, sync_every=1, fused="linear",
-                                  humanline_reference="sync" if arm == "trl_sync" else "lookahead")
+                                  humanline_reference="lookahead" if arm == "trl_lookahead" else "sync")
         cls = HumanlineDPOTrainer
     ref = None if arm == "trl_lookahead" else frozen_copy(model)
     opt = adamw(model, a.lr, device)

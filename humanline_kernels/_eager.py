@@ -13,7 +13,7 @@ the package above it.
 * **Token terms** (:func:`token_terms`): the per-token values from :func:`humanline_kernels.losses.clip_log_ratio`
   and :func:`humanline_kernels.losses.grpo_token_terms`; ``coef = d val / d logp`` by autograd on the small
   ``[B, T]`` tensors (each ``val[b, t]`` depends on ``logp[b, t]`` only, so the gradient of the sum is the
-  elementwise derivative).
+  elementwise derivative; ``torch.func``, which ``torch.compile`` traces).
 * **Finalize** (:func:`dpo_finalize`, :func:`kto_finalize`, :func:`grpo_finalize`, :func:`seq_finalize`): the loss
   and metrics of the per-row sums (DPO, KTO) or of the per-token terms (GRPO), and the row weights
   ``w = d loss / d val`` by autograd on those small tensors (every masked token of a row has the same weight).
@@ -31,9 +31,12 @@ CHUNK_BYTES = 64 << 20
 
 # ------------------------------------------------------------------ log-probs
 def _chunks(B, T, V, chunk_bytes):
-    """Yield ``(b0, b1, t0, t1)`` blocks of at most ``chunk_bytes`` fp32 logits (at least one row)."""
+    """Yield ``(b0, b1, t0, t1)`` blocks of at most ``chunk_bytes`` fp32 logits (at least one row). One block asks
+    only ``B T <= rows`` of symbolic sizes (``torch.compile`` with dynamic shapes), so the graph holds for all such."""
     rows = max(1, chunk_bytes // (4 * V))
-    if rows >= T:
+    if B * T <= rows:
+        yield 0, B, 0, T
+    elif rows >= T:
         nb = max(1, rows // max(T, 1))
         for b0 in range(0, B, nb):
             yield b0, min(B, b0 + nb), 0, T
@@ -178,15 +181,18 @@ def _token_terms_rows(logits, labels, ref, p, adv, klref, w_tok, grad_out):
     mask = labels != p.ignore_index
     ref = ref.to(logp.dtype)
     grpo = p.mode == Terms.GRPO
-    with torch.enable_grad():
-        lp = logp.detach().requires_grad_()
+
+    def terms(lp):
         val = losses.clip_log_ratio(lp, ref, mask, p.clip)[0]
-        if grpo:
-            klr = ref if klref is None else klref.to(logp.dtype)
-            val, k3, low, high = losses.grpo_token_terms(lp, val, klr, adv, mask, beta=p.beta,
-                                                         epsilon_low=p.epsilon_low, epsilon_high=p.epsilon_high)
-        (coef,) = torch.autograd.grad(val.sum(), lp, allow_unused=True)
-    coef = torch.zeros_like(logp) if coef is None else coef
+        if not grpo:
+            return val.sum(), (val, ())
+        klr = ref if klref is None else klref.to(logp.dtype)
+        val, *more = losses.grpo_token_terms(lp, val, klr, adv, mask, beta=p.beta, epsilon_low=p.epsilon_low,
+                                             epsilon_high=p.epsilon_high)
+        return val.sum(), (val, more)
+    coef, (_, (val, more)) = _grad(terms, logp)
+    if grpo:
+        k3, low, high = more
     delta = logp - ref
     c = p.clip
     inside = mask if c is None else mask & (delta > c.log_eps_p) & (delta < c.log_eps_r)
@@ -237,12 +243,16 @@ def token_terms(logits, labels, ref_logps, p, inp=None, *, out=None, segs=None, 
 
 
 # ------------------------------------------------------------------ finalize
+def _grad(fn, x):
+    """``(d out / d x, (out, aux))`` of ``fn(x) -> (out, aux)`` (``out`` 0-d; an exact 0 where ``out`` does not
+    depend on ``x``): ``torch.func``, which ``torch.compile`` traces (``torch.autograd.grad`` it traces only with
+    ``trace_autograd_ops``), and under ``no_grad`` too (an autograd.Function's forward)."""
+    return torch.func.grad_and_value(fn, has_aux=True)(x.detach())
+
+
 def _w(loss_fn, x):
     """``(loss, metrics, d loss / d x)`` of ``loss_fn(x) -> (loss, metrics)`` for a small tensor ``x``."""
-    with torch.enable_grad():
-        x = x.detach().requires_grad_()
-        loss, metrics = loss_fn(x)
-        (w,) = torch.autograd.grad(loss, x)
+    w, (loss, metrics) = _grad(loss_fn, x)
     return loss.detach(), metrics, w
 
 

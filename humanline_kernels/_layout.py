@@ -157,13 +157,19 @@ def _shown(cu: list):
     return cu if len(cu) <= 12 else cu[:6] + ["..."] + cu[-3:]
 
 
+def _longest(cu: list) -> int:
+    """The longest sequence of checked boundaries (0 without one; ``max`` with no ``default=``: torch.compile traces
+    the one form only)."""
+    return max([0, *(b - a for a, b in zip(cu, cu[1:]))])
+
+
 def _check_cu(cu: list, N: int, max_seqlen=None, name="packed"):
     """Host boundaries against a stream of ``N`` positions; ``name``: the argument that gave them (``packed``,
     KTO's ``kl_packed``), for the message."""
     if cu[0] != 0 or cu[-1] != N or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{name}.cu_seqlens must start at 0, never decrease and end at the {N} packed positions, "
                          f"got {_shown(cu)}")
-    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    longest = _longest(cu)
     if max_seqlen is not None and longest > max_seqlen:
         raise ValueError(f"{name}.max_seqlen={max_seqlen} is shorter than the longest packed sequence ({longest} "
                          "positions)")
@@ -218,7 +224,7 @@ def packed_map(packed: Packed, N: int, device, *, pairs=False, host=False, valid
     if host or not isinstance(packed.cu_seqlens, Tensor) or packed.max_seqlen is None:
         cu = packed.host_cu()
         _check_cu(cu, N, packed.max_seqlen, name)
-        T = packed.max_seqlen if packed.max_seqlen is not None else max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        T = packed.max_seqlen if packed.max_seqlen is not None else _longest(cu)
         order = _order(S, pairs)
         plane, source = [], []
         for r in order:
@@ -253,7 +259,7 @@ def supervised_map(ranges: Ints, B: int, T: int, device, *, packed: Optional[Pac
         _check_cu(cu, N, packed.max_seqlen)
         S = len(cu) - 1
         lengths = [b - a for a, b in zip(cu, cu[1:])]
-        width = packed.max_seqlen if packed.max_seqlen is not None else max(lengths, default=0)
+        width = packed.max_seqlen if packed.max_seqlen is not None else max([0, *lengths])
         starts = cu[:-1]
     else:
         S, width, lengths, starts = B, T, [T] * B, [b * T for b in range(B)]

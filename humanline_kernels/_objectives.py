@@ -8,7 +8,6 @@ formulas exist once; :mod:`humanline_kernels.reference`'s tests hold them to TRL
 from __future__ import annotations
 
 import math
-from functools import cached_property
 from typing import NamedTuple, Optional
 
 import torch
@@ -67,6 +66,18 @@ def smoothed_sigmoid(h, label_smoothing):
     return -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
 
 
+def _once(fn):
+    """A property computed on first use and kept: ``functools.cached_property`` without its lock (Python 3.11's
+    takes an ``RLock``, which ``torch.compile`` cannot enter)."""
+    name = fn.__name__
+
+    def get(self):
+        if name not in self.memo:
+            self.memo[name] = fn(self)
+        return self.memo[name]
+    return property(get, doc=fn.__doc__)
+
+
 class PairQuantities:
     """The per-pair quantities DPO's loss types read, each formed on first use, so that a loss type costs the ops
     it needs and no more: the clamped sums of the chosen and the rejected rows (LD-weighted), ``h = beta (score_c -
@@ -76,34 +87,35 @@ class PairQuantities:
     def __init__(self, rows, *, beta, f_divergence_type, f_alpha_divergence_coef):
         self.rows, self.beta = rows, beta
         self.f, self.alpha = f_divergence_type, f_alpha_divergence_coef
+        self.memo = {}
 
-    @cached_property
+    @_once
     def sums(self):
         return pairs(self.rows.s)
 
-    @cached_property
+    @_once
     def scores(self):
         if self.f == "reverse_kl":
             return self.sums
         return pairs(f_divergence_score(self.rows.s, self.f, self.alpha))
 
-    @cached_property
+    @_once
     def h(self):
         c, r = self.scores
         return self.beta * (c - r)
 
-    @cached_property
+    @_once
     def score_means(self):
         c, r = pairs(self.rows.counts.clamp(min=1))
         sc, sr = self.scores
         return sc / c, sr / r
 
-    @cached_property
+    @_once
     def chosen_nll(self):
         tokens = pairs(self.rows.counts)[0].sum()
         return torch.where(tokens > 0, -pairs(self.rows.policy)[0].sum() / tokens.clamp(min=1), 0.0)
 
-    @cached_property
+    @_once
     def aot_margins(self):
         pc, pr = pairs(self.rows.aot_policy)
         rc, rr = pairs(self.rows.aot_reference)

@@ -60,8 +60,13 @@ _KERNELS = None
 
 def _kernels():
     """:mod:`.ops.kernels`, the launchers (importing it imports Triton: only once a call has decided for the kernels;
-    then held here, so a call does not pay the import)."""
+    then held here, so a call does not pay the import; a backward takes its forward's from ctx). Traced by
+    ``torch.compile``, imported without reading the holder: a guard on it would recompile the graph traced before
+    the first import once the import set it."""
     global _KERNELS
+    if torch.compiler.is_compiling():
+        from .ops import kernels
+        return kernels
     if _KERNELS is None:
         from .ops import kernels
         _KERNELS = kernels
@@ -199,14 +204,14 @@ class _FusedLoss(torch.autograd.Function):
             loss, met, w = impl.FINALIZE[p.name](val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(logits, labels, lse, coef, w, tokens, *((aux, ref, loss, *inputs) if owed else ()))
-        ctx.cfg = (p, inplace, len(inputs), owed)
+        ctx.cfg = (p, inplace, len(inputs), owed, impl)
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for the metrics
         return loss, met
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_met):
-        p, inplace, n, owed = ctx.cfg
+        p, inplace, n, owed, impl = ctx.cfg
         if grad_loss is None:
             return (None,) * (6 + n)
         logits, labels, lse, coef, w, tokens, *side = ctx.saved_tensors
@@ -216,9 +221,8 @@ class _FusedLoss(torch.autograd.Function):
             more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
         d = None
         if ctx.needs_input_grad[3]:
-            d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                        out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
-                                        segs=tokens)
+            d = impl.logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                  out=logits if inplace else None, row_weight=w, grad_loss=grad_loss, segs=tokens)
         return (None, None, None, d, None) + more
 
 
@@ -251,14 +255,14 @@ class _GrpoGradInForward(torch.autograd.Function):
                 loss, met, _w = impl.grpo_finalize(val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(grad, *((labels, w, aux, ref, loss, *inputs) if owed else ()))
-        ctx.cfg = (p, len(inputs), owed)
+        ctx.cfg = (p, len(inputs), owed, impl)
         ctx.mark_non_differentiable(met)
         ctx.set_materialize_grads(False)
         return loss, met
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_met):
-        p, n, owed = ctx.cfg
+        p, n, owed, impl = ctx.cfg
         if grad_loss is None:
             return (None,) * (6 + n)
         grad, *side = ctx.saved_tensors
@@ -267,7 +271,7 @@ class _GrpoGradInForward(torch.autograd.Function):
             labels, w, aux, ref, loss, *inputs = side
             more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
         # a device-side no-op when grad_loss == 1 (the usual case; no host sync to find out)
-        _kernels().scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
+        impl.scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
         return (None, None, None, grad, None) + more
 
 
@@ -286,7 +290,7 @@ class _Sequences(torch.autograd.Function):
             coef = coef * token_weights.to(coef.dtype)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(logits, labels, lse, coef, tokens, *((aux, ref, token_weights) if owed else ()))
-        ctx.cfg = (p, inplace, owed)
+        ctx.cfg = (p, inplace, owed, impl)
         ctx.mark_non_differentiable(n, met)
         ctx.set_materialize_grads(False)
         return s, pol, n, met
@@ -296,7 +300,7 @@ class _Sequences(torch.autograd.Function):
         if grad_s is None and grad_pol is None:
             return (None,) * 7
         logits, labels, lse, coef, tokens, *side = ctx.saved_tensors
-        p, inplace, owed = ctx.cfg
+        p, inplace, owed, impl = ctx.cfg
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.contiguous()  # autograd may expand a [B] 1
         d_ref = None
         if owed and grad_s is not None:  # the policy sums do not depend on the reference
@@ -306,8 +310,8 @@ class _Sequences(torch.autograd.Function):
         add = None if grad_pol is None else grad_pol.contiguous()
         d = None
         if ctx.needs_input_grad[3]:
-            d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                        out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
+            d = impl.logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                  out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
         return None, None, None, d, None, d_ref, None
 
 

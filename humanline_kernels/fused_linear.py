@@ -122,7 +122,10 @@ def _graph_kept():
     """Whether the running backward keeps the graph (``retain_graph`` / ``create_graph``): then the gradients formed
     in the forward stay on ctx for the next backward and are scaled out of place. Unknown (the engine's query is
     private: ``torch._C._autograd._get_current_graph_task_keep_graph``, which torch 2.13 has; a torch without it):
-    kept, the safe side (a copy of ``dW``: the peak of a plain backward is then one ``[V, D]`` more)."""
+    kept, the safe side (a copy of ``dW``: the peak of a plain backward is then one ``[V, D]`` more). Under
+    ``torch.compile``: kept (a traced backward cannot ask, and its graph must hold for a retained one too)."""
+    if torch.compiler.is_compiling():
+        return True
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     if query is None:
         return True
@@ -518,7 +521,7 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, go, _grad_met):
-        h_shape, _w_dtype, b_dtype, n, impl = ctx.meta
+        h_shape, w_dtype, b_dtype, n, impl = ctx.meta
         if go is None:
             return (None,) * (10 + n)
         if ctx.grads is None:
@@ -526,16 +529,17 @@ class _LinearLoss(torch.autograd.Function):
                                "handed to the first backward. Pass retain_graph=True to the first one.")
         dh, dw, db = ctx.grads
         # (dh times go by torch: a 0-d go does not promote dh)
-        if _graph_kept():  # a later backward reads them again: new tensors
-            dh, dw = None if dh is None else dh * go, None if dw is None else dw.clone()
+        if _graph_kept():  # a later backward reads them again: new tensors (dW x go in one pass)
+            dh = None if dh is None else dh * go
+            dw = dw if dw is None or not dw.numel() else _scaled(dw, go, w_dtype, impl)
         else:  # handed over, scaled in place; with ctx's reference gone, autograd takes them as .grad without a copy
             ctx.grads = None
             dh = None if dh is None else dh.mul_(go)
-        if dw is not None and dw.numel():  # dW *= go: on the kernel path one Triton pass, skipped on the device
-            if impl is not None:  # when go == 1 (no host sync); mul_ on the CPU scales bf16 by the fp32 go in fp32
-                impl.scale_rows_(dw.view(1, *dw.shape), go.to(torch.float32))
-            else:
-                dw.mul_(go)
+            if dw is not None and dw.numel():  # dW *= go: on the kernel path one Triton pass, skipped on the device
+                if impl is not None:  # when go == 1 (no host sync); mul_ on the CPU scales bf16 by the fp32 go in fp32
+                    impl.scale_rows_(dw.view(1, *dw.shape), go.to(torch.float32))
+                else:
+                    dw.mul_(go)
         dh = None if dh is None else dh.view(h_shape)
         db = _scaled(db, go, b_dtype, impl)
         more = (None,) * (1 + n)

@@ -247,12 +247,14 @@ def grpo_off_policy_mask(logps, sampling_logps, mask, A, threshold):
 def grpo_high_entropy_mask(entropies, mask, top_entropy_quantile):
     """The masked tokens in the top ``top_entropy_quantile`` of this batch's masked entropies: entropy at least the
     ``1 - top_entropy_quantile`` quantile (TRL 1.16 ``GRPOTrainer.get_high_entropy_mask`` takes the quantile over
-    every rank's tokens; a trainer that wants that passes its mask as ``entropy_mask``)."""
-    values = entropies[mask]
-    if values.numel() == 0:
-        return torch.zeros_like(mask)
-    values = values if values.dtype in (torch.float32, torch.float64) else values.float()  # (what quantile takes)
-    return mask & (entropies >= torch.quantile(values, 1.0 - top_entropy_quantile).to(entropies.dtype))
+    every rank's tokens; a trainer that wants that passes its mask as ``entropy_mask``). The unmasked tokens are
+    NaN to ``nanquantile`` rather than dropped by ``entropies[mask]``, whose size ``torch.compile`` cannot know; a
+    NaN among the masked entropies (or none masked) gives a NaN cut, so no token, as ``quantile`` of them would."""
+    x = entropies if entropies.dtype in (torch.float32, torch.float64) else entropies.float()  # (what it takes)
+    nan = torch.isnan(x)
+    cut = torch.nanquantile(torch.where(mask & ~nan, x, float("nan")).flatten(), 1.0 - top_entropy_quantile)
+    cut = torch.where((mask & nan).any(), float("nan"), cut)
+    return mask & (entropies >= cut.to(entropies.dtype))
 
 
 def grpo_entropy_bonus(entropies, mask, *, entropy_coef, use_adaptive_entropy=False, entropy_target=0.2,
@@ -271,20 +273,25 @@ def input_grads(p, logps, ref_logps, mask, inp, g, needs):
     differentiate only the policy's log-probs): ``d/dx sum(g * val)`` for ``x`` in ``(ref_logps, advantages,
     kl_ref_logps)``, each where ``needs`` asks for it (else None). ``val`` is the loss's masked per-token term, the
     clamped log-ratio or GRPO's term, from the functions the eager path runs, at the policy log-probs ``logps`` that
-    the row kernel wrote; ``g = d loss / d val`` (``[B, 1]`` or ``[B, T]``). Small ``[B, T]`` tensors only."""
-    with torch.enable_grad():
-        ref = ref_logps.detach().requires_grad_(needs[0])
-        val = clip_log_ratio(logps, ref, mask, p.clip)[0]
-        leaves = [ref]
-        if p.mode == Terms.GRPO:
-            A = inp.advantages.detach().requires_grad_(needs[1])
-            klr = ref if inp.kl_ref_logps is None else inp.kl_ref_logps.detach().requires_grad_(needs[2])
-            val = grpo_token_terms(logps, val, klr, A, mask, beta=p.beta, epsilon_low=p.epsilon_low,
+    the row kernel wrote; ``g = d loss / d val`` (``[B, 1]`` or ``[B, T]``). Small ``[B, T]`` tensors only; a
+    ``torch.func.vjp`` (traced by ``torch.compile``, unlike ``torch.autograd.grad``; an exact 0 for an unused one)."""
+    grpo = p.mode == Terms.GRPO
+    leaves = {"ref": ref_logps.detach()}
+    if grpo:
+        leaves.update(A=inp.advantages.detach(),
+                      klr=None if inp.kl_ref_logps is None else inp.kl_ref_logps.detach())
+    wanted = [name for name, n in zip(("ref", "A", "klr"), needs) if n]
+
+    def terms(*xs):
+        x = dict(leaves, **dict(zip(wanted, xs)))
+        val = clip_log_ratio(logps, x["ref"], mask, p.clip)[0]
+        if grpo:  # (no kl_ref_logps: the k3 reference is the ratio's, and its gradient part of ref's)
+            klr = x["ref"] if x["klr"] is None else x["klr"]
+            val = grpo_token_terms(logps, val, klr, x["A"], mask, beta=p.beta, epsilon_low=p.epsilon_low,
                                    epsilon_high=p.epsilon_high)[0]
-            leaves += [A, klr]
-        want = [t for t, n in zip(leaves, needs) if n]
-        got = torch.autograd.grad(val, want, g.to(val.dtype).expand_as(val), allow_unused=True)
-    got = iter(torch.zeros_like(t) if d is None else d for t, d in zip(want, got))  # unused: an exact 0
+        return val
+    val, pull = torch.func.vjp(terms, *(leaves[name] for name in wanted))
+    got = iter(pull(g.to(val.dtype).expand_as(val)))
     return [next(got) if n else None for n in needs]
 
 

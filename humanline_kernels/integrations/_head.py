@@ -63,7 +63,10 @@ def install_head(model, fused: str, temperature: float = 1.0, entropy: bool = Tr
         if not fused_lm_head:
             return trl_forward(*args, labels=labels, **kwargs)
         want_entropy = entropy if hk_entropy is None else hk_entropy
-        layout = (_ROWS.get() if hk_supervised is None else hk_supervised), hk_cu_seqlens
+        # traced by torch.compile, the head runs on every position: the ranges are host ints that the graph would be
+        # specialised on (a recompile a batch), and the context variable is no tensor Dynamo can read
+        layout = (None, None) if torch.compiler.is_compiling() else (
+            (_ROWS.get() if hk_supervised is None else hk_supervised), hk_cu_seqlens)
         return _fused_logprobs(self, trl_forward, fused, temperature, want_entropy, args, labels, kwargs, layout)
 
     model.forward = types.MethodType(_humanline_forward, model)

@@ -25,6 +25,9 @@ import torch
 _JIT = None  # the ops._jit module once triton imported, False when it cannot
 
 
+# run, not traced, by torch.compile (its result a constant of the graph): a guard on the holder, which the first call
+# sets, would recompile the graph traced before it
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
     global _JIT
     if _JIT is None:

@@ -35,14 +35,22 @@ def max_rows_for(V, dtype, chunk_bytes):
 
 
 def token_chunks(N, max_rows):
-    """Contiguous token ranges (GRPO, plain log-probs: every token's coefficient is local)."""
-    return [((s, min(N, s + max_rows)),) for s in range(0, N, max_rows)]
+    """Contiguous token ranges (GRPO, plain log-probs: every token's coefficient is local). ``N`` may be symbolic
+    (``torch.compile`` with a dynamic sequence length): one chunk asks only ``N <= max_rows`` of it, so the graph
+    holds for every such ``N``; more chunks, their count."""
+    if N <= max_rows:
+        return [((0, N),)] if N else []
+    k = (N + max_rows - 1) // max_rows
+    return [((i * max_rows, min(N, (i + 1) * max_rows)),) for i in range(k)]
 
 
 def row_chunks(B, T, max_rows):
-    """Whole rows (KTO: a row's coefficient needs its full sum). One row at least, even above the budget."""
+    """Whole rows (KTO: a row's coefficient needs its full sum). One row at least, even above the budget. One chunk
+    asks only ``B T <= max_rows`` of symbolic sizes (as :func:`token_chunks`)."""
     if T == 0:  # no tokens: one empty chunk
         return [((0, 0),)]
+    if B * T <= max_rows:
+        return [((0, B * T),)]
     k = max(1, max_rows // T)
     return [((r * T, min(B, r + k) * T),) for r in range(0, B, k)]
 
@@ -109,7 +117,7 @@ def _mapped(tm, a, b, span):
 
 def chunks_buffer(chunks, V, dtype, device):
     """The buffer for the largest chunk's ``[n, V]`` logits."""
-    return new_buffer(max(map(size, chunks), default=0) * V, dtype, device)
+    return new_buffer(max([0, *map(size, chunks)]) * V, dtype, device)  # (torch.compile: max takes no default=)
 
 
 def gather_buffer(chunks, h2):

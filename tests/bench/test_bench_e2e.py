@@ -97,7 +97,9 @@ def test_quick_runs_every_arm_and_the_humanline_arms_agree(quick):
                                         (("--quick", "--steps", "x"), "invalid int value"),
                                         (("--quick", "--lr", "-1"), "--lr must be a positive"),
                                         (("--quick", "--vocab", "4"), "--vocab must be >= 8"),
-                                        (("--quick", "--arms", "trl"), "invalid choice")])
+                                        (("--quick", "--arms", "trl"), "invalid choice"),
+                                        (("--quick", "--compile-backend", "nope"), "invalid choice"),
+                                        (("--quick", "--arms", "trl_dpo_compiled"), "invalid choice")])
 def test_bad_flags_are_one_line(args, says):
     r = _e2e(*args)
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
@@ -136,3 +138,21 @@ def test_checks_widen_to_the_measured_noise():
     widened = E._checks(res, "bf16", noise=0.03)["offline_ref_vs_offline"]  # 0.04 <= 3 x 0.03
     assert widened["ok"] and widened["tol"] == pytest.approx(E.NOISE_FACTOR * 0.03)
     assert not E._checks(res, "bf16", noise=0.01)["offline_ref_vs_offline"]["ok"]  # 0.04 > 3 x 0.01
+
+
+@pytest.mark.slow
+def test_quick_compiled_trainers_compute_the_same_losses(tmp_path):
+    """The ``*_compile`` arms (``torch_compile=True``; here ``aot_eager``, Inductor being the default): only when
+    asked for, with their baseline and the arms they are checked against; compiled stock TRL computes offline's
+    losses and the compiled humanline trainer sync's, step by step."""
+    r = _e2e("--quick", "--arms", "trl_sync_compile", "--compile-backend", "aot_eager", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "e2e_quick.json").read_text())
+    assert [row["arm"] for row in data["rows"]] == ["offline", "sync", "trl_dpo_compile", "trl_sync_compile"]
+    meta = data["meta"]
+    assert meta["compile_backend"] == "aot_eager" and meta["baselines"]["trl_sync_compile"] == "trl_dpo_compile"
+    assert meta["checks"]["trl_sync_compile_vs_sync"]["ok"] and meta["checks"]["trl_dpo_compile_vs_offline"]["ok"]
+    losses = meta["losses"]
+    assert losses["trl_sync_compile"] == pytest.approx(losses["sync"], abs=1e-5)
+    assert losses["trl_dpo_compile"] == pytest.approx(losses["offline"], abs=1e-5)
+    assert "torch_compile (aot_eager)" in r.stdout

@@ -31,6 +31,18 @@ def _checkpointing_on(args):
 
 
 
+def checkpointing_off(trainer, through_policy):
+    """TRL's ``disable_gradient_checkpointing`` around a no-grad reference forward, only where it acts: a forward
+    through the policy in training mode (``through_policy``: a PEFT policy with its adapter off). A separate
+    reference model never checkpoints, nor does the policy in eval mode (the lookahead's reference); toggled there it
+    cost a compiled policy a recompile every step: transformers 5 adds a hook to the input embeddings at every enable
+    and removes it at a disable only for a PEFT model, and ``torch.compile`` guards on a module's hooks. Only when
+    checkpointing is on: TRL's helper asks the model about it through deprecated transformers 5 names."""
+    if not (through_policy and _checkpointing_on(trainer.args)):
+        return contextlib.nullcontext()
+    return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+
+
 def _precheck_common(name, args, model, peft_config, humanline):
     _refuse(getattr(args, "precompute_ref_log_probs", False),
             f"{name}: precompute_ref_log_probs=True stores only summed reference log-probs; the humanline losses need "
@@ -207,15 +219,13 @@ class HumanlineMixin(LookaheadTrainerMixin):
         return {"hk_supervised": ranges, "hk_cu_seqlens": inputs.get(CU_SEQLENS)}
 
     def _hk_ref_logps(self, kwargs, labels, policy):
-        # only when checkpointing is on: TRL's helper asks the model about it through deprecated transformers 5 names
-        ckpt = (disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
-                if _checkpointing_on(self.args) else contextlib.nullcontext())
-        with torch.no_grad(), ckpt:
+        peft = policy is None and self.ref_model is None and is_peft_model(self.model)
+        with torch.no_grad(), checkpointing_off(self, peft):
             if policy is not None:
                 # no entropy: a reference needs none (TRL's head, fused="off", computes its fixed outputs anyway)
                 extra = {"hk_entropy": False} if self.hk_fused != "off" else {}
                 return policy(**kwargs, labels=labels, fused_lm_head=True, **extra).log_probs
-            if self.ref_model is None and is_peft_model(self.model):
+            if peft:
                 unwrapped = self.accelerator.unwrap_model(self.model)
                 with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                     return self.model(**kwargs, labels=labels, fused_lm_head=True).log_probs
@@ -236,6 +246,18 @@ class HumanlineMixin(LookaheadTrainerMixin):
             self._total_train_tokens += int(n_att) // getattr(self, "_tp_size", 1)
         m["num_tokens"] = [self._total_train_tokens]
         m["humanline/unclipped_frac"].append(n_in / n if n > 0 else 1.0)
+
+    def _hk_dynamic(self, kw, labels):
+        """Under ``torch_compile``: the rows and the sequence length of the policy forward's ``[B, L]`` tensors dynamic
+        from the first compile (TRL pads each batch to its longest row, and an epoch's last batch may be short), so
+        that no batch recompiles the forward; automatic dynamic shapes would only mark them at their first change,
+        one recompile each."""
+        if not self.args.torch_compile:
+            return
+        for t in (labels, *kw.values()):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 1)
 
     def _hk_policy_kwargs(self):
         """Extra keywords of the DPO / KTO policy forward: a MoE model's router logits when its auxiliary loss is on
@@ -262,7 +284,13 @@ def _prompt_learning(model):
 
 
 def _hf_module(module):
-    """The transformers model inside a DeepSpeed engine / FSDP1 wrapper (FSDP2 and plain modules are it)."""
-    while not hasattr(module, "config") and hasattr(module, "module"):
-        module = module.module
-    return module
+    """The transformers model inside a DeepSpeed engine / FSDP1 wrapper (FSDP2 and plain modules are it) and inside
+    ``torch.compile``'s wrapper (accelerate compiles the reference model under ``torch_compile``: the head goes on
+    the model, so that the compiled call traces it with the backbone rather than running it eager around it)."""
+    while True:
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            module = module._orig_mod
+        elif not hasattr(module, "config") and hasattr(module, "module"):
+            module = module.module
+        else:
+            return module

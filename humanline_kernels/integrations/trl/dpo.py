@@ -180,6 +180,7 @@ class HumanlineDPOTrainer(HumanlineMixin, DPOTrainer):
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"
         kw, labels, mask, packed = self._hk_inputs(inputs)
+        self._hk_dynamic(kw, labels)
         T = mask.size(1)
         if self.hk_lookahead:
             ref_logps = self._hk_lookahead_refs(inputs)

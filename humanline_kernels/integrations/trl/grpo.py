@@ -39,7 +39,7 @@ from ..._params import GRPO_LOSS_TYPES
 from ...reference import adaptive_entropy_coef
 from .._head import supervised_rows
 from ..transformers import LookaheadTrainerMixin
-from ._common import HK_REF_ADAPTER, HumanlineMixin, _checkpointing_on, _precheck_common, _refuse
+from ._common import HK_REF_ADAPTER, HumanlineMixin, _precheck_common, _refuse, checkpointing_off
 from ._grpo_lookahead import BufferLookahead
 from .config import HumanlineGRPOConfig, hk_settings, reference_mode
 
@@ -231,8 +231,7 @@ class HumanlineGRPOTrainer(HumanlineMixin, GRPOTrainer):
 
     def _hk_batch_logps(self, model, inputs):
         """Per-token log-probs (no grad, fp32) of a micro-batch's completions, through TRL's per-token call."""
-        ckpt = _no_checkpointing(self) if _checkpointing_on(self.args) else contextlib.nullcontext()
-        with torch.no_grad(), ckpt, supervised_rows(_supervised(inputs)):
+        with torch.no_grad(), checkpointing_off(self, model is self.model), supervised_rows(_supervised(inputs)):
             logps, _, _ = self._get_per_token_logps_and_entropies(model, *_sequences(inputs), **_mm(inputs))
         return logps.float()
 
@@ -414,11 +413,6 @@ def _eval_mode(model):
     finally:
         for m, training in modes:
             m.training = training
-
-
-def _no_checkpointing(trainer):
-    from trl.models.utils import disable_gradient_checkpointing
-    return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
 
 
 @contextlib.contextmanager

@@ -81,10 +81,12 @@ class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
         batch = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
         desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=dev)
         kw, labels, mask = self._hk_inputs(batch)
+        self._hk_dynamic(kw, labels)
         T = mask.size(1)
         kl = kl_ref = kl_mask = None
         if self.calculate_KL:
             kl_kw, kl_labels, kl_mask = self._hk_kl_inputs(batch)
+            self._hk_dynamic(kl_kw, kl_labels)
         if self.hk_lookahead:
             ref_logps = self._hk_lookahead_refs(batch)
             ref_logps, kl_ref = (ref_logps[:, :T], ref_logps[:, T:]) if self.calculate_KL else (ref_logps, None)
