@@ -153,7 +153,7 @@ def token_logprobs(logits, labels, *, temperature, ignore_index, return_entropy=
     backward: docs/tensor_parallel.md.
     """
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    sharded = _tp.check_group(process_group) > 1
+    sharded = process_group is not None and _tp.check_group(process_group) > 1
     _validation.check_logits(logits, labels, p, validate, label_range=not sharded, return_entropy=return_entropy,
                              inplace_backward=inplace_backward)
     kernels = ops.use_kernels(logits)
@@ -346,7 +346,9 @@ class _Sharded(NamedTuple):
 
 def _sharded(process_group, inplace_backward=False, validate=True):
     """The call's :class:`_Sharded`, or None: the whole vocabulary on this rank (no group, or a group of one)."""
-    return _Sharded(process_group, inplace_backward, validate) if _tp.check_group(process_group) > 1 else None
+    if process_group is None or _tp.check_group(process_group) == 1:  # (no call at all in the usual case)
+        return None
+    return _Sharded(process_group, inplace_backward, validate)
 
 
 def _eager_logps(p, logits, labels, ref_logps, lay=None, tp=None):

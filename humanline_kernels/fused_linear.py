@@ -255,7 +255,7 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature, ignore_ind
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    sharded = _tp.check_group(process_group) > 1
+    sharded = process_group is not None and _tp.check_group(process_group) > 1
     if packed is not None:  # (the losses' order: the layout first, then the level's own checks)
         _layout.check_packed("hidden", hidden, labels, None, packed)
     _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, label_range=not sharded,
@@ -385,7 +385,7 @@ def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip, no
     chunk by chunk. ``supervised`` / ``packed``: as for :func:`grpo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
-    tp, given = _tp.check_group(process_group) > 1, labels
+    tp, given = process_group is not None and _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, tp=tp)
     _validation.check_sequence(p)
@@ -403,7 +403,7 @@ def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, temperature
     """Humanline IPO from ``hidden [2P, T, D]``; as :func:`humanline_kernels.losses.ipo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
-    tp, given = _tp.check_group(process_group) > 1, labels
+    tp, given = process_group is not None and _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, tp=tp)
     _validation.check_ipo(p, labels.shape[0])
@@ -420,7 +420,7 @@ def simpo(hidden, weight, labels, *, bias=None, clip, beta, gamma_beta_ratio, te
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
-    tp, given = _tp.check_group(process_group) > 1, labels
+    tp, given = process_group is not None and _tp.check_group(process_group) > 1, labels
     labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised,
                                   tp=tp)
     _validation.check_simpo(p, labels.shape[0])
@@ -436,7 +436,7 @@ def slic(hidden, weight, labels, *, bias=None, clip, beta, lambda_coef, temperat
     """Humanline SLiC from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
-    tp, given = _tp.check_group(process_group) > 1, labels
+    tp, given = process_group is not None and _tp.check_group(process_group) > 1, labels
     labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised,
                                   tp=tp)
     _validation.check_slic(p, labels.shape[0])
@@ -569,7 +569,7 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip, beta
                       loss_type=loss_type, normalizer=normalizer,
                       max_completion_length=max_completion_length, temperature=temperature,
                       ignore_index=ignore_index)
-    tp, given = _tp.check_group(process_group) > 1, labels
+    tp, given = process_group is not None and _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, tp=tp)
     inp = GRPOInputs(_layout.unpack_like(advantages, tm, given, True), _layout.unpack_like(kl_ref_logps, tm, given),
@@ -599,7 +599,7 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, label_smoot
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
     _validation.check_fused_dpo(p)
-    tp, given = _tp.check_group(process_group) > 1, labels
+    tp, given = process_group is not None and _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, pairs=p.fast, tp=tp)
     mixture = _validation.check_dpo(p, labels.shape[0], ref_logps)
@@ -629,7 +629,7 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate, temperature=temperature, ignore_index=ignore_index)
-    tp, given = _tp.check_group(process_group) > 1, labels
+    tp, given = process_group is not None and _tp.check_group(process_group) > 1, labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, tp=tp)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
