@@ -9,7 +9,7 @@ markers that name its source:
   run's plot. Each section comes from the first RUN, in the order given (newest first), that holds its JSON; one
   that no RUN holds says so.
 * ``<!-- demo-table: PATH -->`` ... ``<!-- /demo-table -->``: the demo's table, from the record that
-  ``python -m humanline_kernels.demo --save PATH`` writes (``humanline_kernels.demo.readme_block``).
+  ``python -m humanline_kernels.demo --save PATH`` writes (:func:`demo_block`).
 
 ``python -m bench report RUN ...`` prints the Benchmarks section for those runs; ``--readme`` rewrites README's
 blocks (the Benchmarks block from the RUNs given, or from the runs its marker names when none is given);
@@ -316,14 +316,57 @@ def blocks(text):
     return [(m.group(1), m.group(2).strip(), m.group(3), m) for m in BLOCK.finditer(text)]
 
 
+def _demo_record():
+    sys.path.insert(0, ROOT)  # the demo of this checkout, installed or not
+    from humanline_kernels.demo import record
+    return record
+
+
+def demo_block(rec, record_path):
+    """README's demo section between its markers: the run's settings and machine, the table of the default runs,
+    the table of the other runs, the DPO plot when it is beside the record (``record_path`` as README names it,
+    relative to the project's root)."""
+    import textwrap
+    table = _demo_record().table
+    main = [e for e in rec["runs"] if not e["flags"] and not e["env"]]
+    other = [e for e in rec["runs"] if e["flags"] or e["env"]]
+    out = []
+    if main:
+        first = main[0]
+        s, m = first["settings"], first["machine"]
+        where = (f"{m['device'].upper()}" + (f" {m['cpu_capability']}" if m["cpu_capability"] else "")
+                 + (f" ({m['cpu']})" if m.get("cpu") else "")
+                 + f", {m['cores']} cores, {m['processes']} processes, torch {m['torch']}, transformers "
+                 f"{m['transformers']}")
+        commit = f"at commit {first['commit']}" + (" with local changes" if first["dirty"] else "") \
+            if first["commit"] else "outside a git checkout"
+        same = all(e["machine"] == m and e["commit"] == first["commit"] for e in main)
+        lrs = ", ".join(f"{x:g}" for x in s["lrs"])
+        took = ", ".join(f"{e['objective'].upper()} {e['total_s']:.0f} s" for e in main)
+        out.append(
+            f"What the default run measured (`python -m humanline_kernels.demo --objective all --save "
+            f"{record_path}`; {where}; {commit}{'' if same else ' (some rows elsewhere: see the record)'}; "
+            f"{s['steps']} steps x {s['batch']} sequences, learning rates {lrs}, {s['seeds']} seeds; rule rate of "
+            f"the policy's own samples on the reported prompts, mean +- s.e.; the starting policy is at "
+            f"{first['start']:.3f}, the behaviour model that wrote the offline data at {first['behaviour']:.3f}; "
+            f"wall time of each run, setup included: {took}):")
+        out[-1] = textwrap.fill(out[-1], 116, break_long_words=False, break_on_hyphens=False)
+        out += ["", table(main)]
+    if other:
+        out += ["", "Other runs in the same record (the flags or environment shown, everything else the default):",
+                "", table(other)]
+    png = os.path.join(os.path.dirname(record_path), "demo-dpo.png")
+    if os.path.exists(os.path.join(ROOT, png)):
+        out += ["", f"![DPO: rule rate over training, each arm at its best learning rate]({png})"]
+    return "\n".join(out)
+
+
 def expected(kind, arg):
     """What a block of ``kind`` with marker argument ``arg`` holds."""
     if kind == "benchmarks":
         return render(arg.split())
-    sys.path.insert(0, ROOT)  # the demo of this checkout, installed or not
-    from humanline_kernels import demo
     with open(os.path.join(ROOT, arg), encoding="utf-8") as f:
-        return demo.readme_block(json.load(f), arg, ROOT)
+        return demo_block(json.load(f), arg)
 
 
 def regenerate(text, runs=None):

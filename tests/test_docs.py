@@ -591,8 +591,8 @@ def test_design_layout_names_every_module():
 
 def test_readme_names_the_demos_flags():
     """README's flag list is the demo's parser: each flag it lists exists, and every flag is named in README."""
-    from humanline_kernels import demo
-    flags = {o for a in demo._parser()._actions for o in a.option_strings if o.startswith("--")}
+    from humanline_kernels.demo import cli
+    flags = {o for a in cli.parser()._actions for o in a.option_strings if o.startswith("--")}
     text = _read("README.md")
     listed = set(re.findall(r"`(--[a-z][a-z-]*)", text[text.index("Flags ("):text.index("A bad flag")]))
     assert listed and listed <= flags, sorted(listed - flags)

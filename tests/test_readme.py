@@ -83,19 +83,18 @@ def test_report_keeps_an_earlier_quack_table_and_shows_what_a_newer_run_measured
 
 
 def test_demo_table_is_written_from_its_record():
-    from humanline_kernels import demo
     path, content = _block("demo-table")
-    assert content == demo.readme_block(_record(), path, ROOT) + "\n", (
+    assert content == report.demo_block(_record(), path) + "\n", (
         f"README's demo table is not what {path} says: run `{REGENERATE}`")
 
 
 def test_demo_record_is_the_default_run_of_every_objective():
     """The table's rows are the default run: every setting as `python -m humanline_kernels.demo` has it now, on
     the CPU (a changed default makes the record stale: rerun the demo)."""
-    from humanline_kernels import demo
-    defaults = demo._parser().parse_args([])
+    from humanline_kernels.demo import arms, cli
+    defaults = cli.parser().parse_args([])
     main = [e for e in _record()["runs"] if not e["flags"] and not e["env"]]
-    assert [e["objective"] for e in main] == list(demo.OBJECTIVES)
+    assert [e["objective"] for e in main] == list(arms.OBJECTIVES)
     for e in main:
         s = e["settings"]
         want = {k: getattr(defaults, k) for k in ("steps", "seeds", "seed", "batch", "resample_every", "sft_steps",
@@ -116,7 +115,7 @@ def test_demo_record_still_describes_the_code():
 
     import torch
 
-    from humanline_kernels import demo
+    from humanline_kernels.demo import canary
     record = _record()
     measured = {e["machine"]["torch"] for e in record["runs"]}
     if torch.__version__ not in measured or platform.machine() not in ("x86_64", "AMD64"):
@@ -124,9 +123,9 @@ def test_demo_record_still_describes_the_code():
         # image's older torch rounds otherwise and says nothing about the record
         pytest.skip(f"the record was measured with torch {', '.join(sorted(measured))} on x86; this is torch "
                     f"{torch.__version__} on {platform.machine()}")
-    assert record["canary_env"] == demo.CANARY_ENV and record["canary_settings"] == {**demo.CANARY,
-                                                                                       "lrs": list(demo.CANARY["lrs"])}
-    verdict, msg = demo.check_canary(record, demo.canary_subprocess(), demo.cpu_key())
+    assert record["canary_env"] == canary.ENV
+    assert record["canary_settings"] == {**canary.SETTINGS, "lrs": list(canary.SETTINGS["lrs"])}
+    verdict, msg = canary.check(record, canary.run_subprocess(), canary.cpu_key())
     path = _block("demo-table")[0]
     if verdict == "differ":
         pytest.fail(f"the demo no longer computes what its record measured: {msg}. Rerun `python -m "
@@ -136,3 +135,16 @@ def test_demo_record_still_describes_the_code():
         # the same code, rounded by a CPU the record has no bits for: checked to round-off only, so say so
         warnings.warn(f"{msg}; `python -m humanline_kernels.demo --add-canary {path}` keeps its bits for exact "
                       "checks on this CPU", stacklevel=1)
+
+
+def test_demo_header_names_the_cpu_model_when_the_record_has_it():
+    """README's header line says which CPU model measured the table when the record's runs carry it (runs saved
+    since the canary became per CPU model); older records read as before."""
+    path = os.path.join("bench", "results", "2026-11-27-cpu-demo", "demo.json")
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        record = json.load(f)
+    assert "family" not in report.demo_block(record, path)
+    for e in record["runs"]:
+        e["machine"]["cpu"] = "GenuineIntel family 6 model 106"
+    after = report.demo_block(record, path)
+    assert "CPU AVX512 (GenuineIntel family 6 model 106), 2 cores" in after.replace("\n", " ")

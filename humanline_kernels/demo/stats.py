@@ -1,0 +1,69 @@
+"""The statistics: each arm at its best learning rate (chosen on the held-out prompts only), its rule rate on the
+reported prompts as mean +- standard error over seeds, and the comparisons in standard errors of the difference."""
+from __future__ import annotations
+
+import math
+
+
+def mean_se(xs):
+    """Mean and standard error of the mean (NaN for one value)."""
+    xs = [float(x) for x in xs]
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var / len(xs))
+
+
+def select_best(runs):
+    """Per arm, the learning rate with the best mean held-out rule rate (ties: the smaller learning rate).
+
+    Only ``heldout`` decides; the returned rows summarise that learning rate's runs on the reported set."""
+    best = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        mine = [r for r in runs if r["arm"] == arm]
+        lrs = sorted({r["lr"] for r in mine})
+        score = {lr: mean_se([r["heldout"] for r in mine if r["lr"] == lr])[0] for lr in lrs}
+        lr = max(lrs, key=lambda x: (score[x], -x))
+        chosen = [r for r in mine if r["lr"] == lr]
+        rate, se = mean_se([r["report"] for r in chosen])
+        clip = [r["clip_frac"] for r in chosen if r["clip_frac"] is not None]
+        best[arm] = {"arm": arm, "lr": lr, "rule_rate": rate, "se": se, "heldout": score[lr],
+                     "clip_frac": sum(clip) / len(clip) if clip else None,
+                     "syncs": chosen[0]["syncs"], "wall_s": mean_se([r["wall_s"] for r in chosen])[0],
+                     "sample_s": mean_se([r["sample_s"] for r in chosen])[0], "runs": chosen}
+    return best
+
+
+def versus(a, b):
+    """``a``'s rule rate against ``b``'s in standard errors of the difference, as the table words it."""
+    diff, se = a["rule_rate"] - b["rule_rate"], math.hypot(a["se"], b["se"])
+    if not se > 0:
+        return "equal" if diff == 0 else ("above" if diff > 0 else "below")
+    if abs(diff) <= se:
+        return "within 1 s.e."
+    return f"{abs(diff) / se:.1f} s.e. {'above' if diff > 0 else 'below'}"
+
+
+def pace(hl, on):
+    """offline+humanline's wall time against online's: ``2.7x faster`` or ``1.2x slower``."""
+    speed = on["wall_s"] / hl["wall_s"] if hl["wall_s"] > 0 else float("inf")
+    return f"{speed:.1f}x faster" if speed >= 1 else f"{1 / speed:.1f}x slower"
+
+
+def verdict(best, objective):
+    """One plain sentence from the numbers: offline+humanline against online (rate and time) and offline."""
+    hl, on, off = best["offline+humanline"], best["online"], best["offline"]
+
+    def compare(a, b, name):
+        diff, se = a["rule_rate"] - b["rule_rate"], math.hypot(a["se"], b["se"])
+        if not se > 0:
+            return f"{'equal to' if diff == 0 else ('above' if diff > 0 else 'below')} {name} ({b['rule_rate']:.3f})"
+        if abs(diff) <= se:
+            return f"within 1 s.e. of {name} ({b['rule_rate']:.3f} +- {b['se']:.3f})"
+        return (f"{'above' if diff > 0 else 'below'} {name} ({b['rule_rate']:.3f} +- {b['se']:.3f}) by "
+                f"{abs(diff):.3f} = {abs(diff) / se:.1f} s.e.")
+    line = (f"verdict: offline+humanline {objective.upper()} reaches a rule rate of {hl['rule_rate']:.3f} +- "
+            f"{hl['se']:.3f}, {compare(hl, on, 'online')} and {pace(hl, on)} than online; "
+            f"{compare(hl, off, 'plain offline')}")
+    return line.rstrip(".") + "."
