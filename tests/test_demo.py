@@ -91,10 +91,25 @@ def test_verdict_follows_the_numbers():
         return {"offline+humanline": mk("offline+humanline", hl, hl_wall), "online": mk("online", on, on_wall),
                 "offline": mk("offline", off, hl_wall)}
     v = stats.verdict(best(0.50, 0.505, 0.2), "dpo")
-    assert v.startswith("verdict:") and "within 1 s.e. of online" in v and "2.5x faster" in v
-    assert "above plain offline" in v
+    assert v.startswith("verdict:") and "not significantly different from online" in v and "2.5x faster" in v
+    assert "above plain offline" in v and "= 21.2 s.e." in v
     v = stats.verdict(best(0.1, 0.5, 0.1, on_wall=0.5), "kto")
-    assert "below online" in v and "2.0x slower" in v and "within 1 s.e. of plain offline" in v
+    assert "below online" in v and "2.0x slower" in v and "not significantly different from plain offline" in v
+
+
+def test_two_standard_errors_make_a_difference_significant():
+    """A comparison is above or below at 2 s.e. of the difference or more, else not significant, in the table and
+    the verdict alike."""
+    def arm(v, se=0.03):
+        return {"rule_rate": v, "se": se}
+    se_diff = 0.03 * 2 ** 0.5
+    for gap, said, words in ((1.99, "not significant", "not significant (2.0 s.e. above)"),
+                             (2.01, "above", "2.0 s.e. above"), (-2.5, "below", "2.5 s.e. below"),
+                             (-0.4, "not significant", "not significant (0.4 s.e. below)")):
+        a, b = arm(0.5 + gap * se_diff), arm(0.5)
+        assert stats.conclusion(a, b) == said and stats.versus(a, b) == words, gap
+    assert stats.conclusion(arm(0.5, 0.0), arm(0.5, 0.0)) == "not significant"
+    assert stats.conclusion(arm(0.6, 0.0), arm(0.5, 0.0)) == "above"
 
 
 @pytest.mark.parametrize("objective,workers", [("dpo", 1), ("kto", 2), ("grpo", 1)])
@@ -193,7 +208,7 @@ def test_save_merges_runs_by_objective_flags_and_environment(tmp_path, monkeypat
     assert rec["canary_cpu"] == canary.cpu_key() and "canary_other_cpus" not in rec
     table = record.table(rec["runs"][2:])
     assert "| DPO | `--steps 2` (AVX2) |" in table and "| DPO | `ATEN_CPU_CAPABILITY=avx2` (AVX2) |" in table
-    assert "within 1 s.e., 1.0x faster" in record.table(rec["runs"][:1])
+    assert "not significant (equal), 1.0x faster" in record.table(rec["runs"][:1])
 
 
 def _canary(loss=0.5, heldout=0.25):

@@ -1,8 +1,12 @@
 """The statistics: each arm at its best learning rate (chosen on the held-out prompts only), its rule rate on the
-reported prompts as mean +- standard error over seeds, and the comparisons in standard errors of the difference."""
+reported prompts as mean +- standard error over seeds, and the comparisons in standard errors of the difference:
+above or below at ``SIGNIFICANT`` (2) or more, else not significant."""
 from __future__ import annotations
 
 import math
+
+# a comparison is called above or below at this many standard errors of the difference, else not significant
+SIGNIFICANT = 2.0
 
 
 def mean_se(xs):
@@ -35,14 +39,27 @@ def select_best(runs):
     return best
 
 
+def difference(a, b):
+    """``a``'s rule rate minus ``b``'s and the standard error of that difference (of two independent means)."""
+    return a["rule_rate"] - b["rule_rate"], math.hypot(a["se"], b["se"])
+
+
+def conclusion(a, b):
+    """``"above"`` or ``"below"`` when ``a``'s rule rate is at least ``SIGNIFICANT`` standard errors of the
+    difference from ``b``'s, else ``"not significant"``."""
+    diff, se = difference(a, b)
+    if diff and (not se > 0 or abs(diff) >= SIGNIFICANT * se):
+        return "above" if diff > 0 else "below"
+    return "not significant"
+
+
 def versus(a, b):
-    """``a``'s rule rate against ``b``'s in standard errors of the difference, as the table words it."""
-    diff, se = a["rule_rate"] - b["rule_rate"], math.hypot(a["se"], b["se"])
-    if not se > 0:
-        return "equal" if diff == 0 else ("above" if diff > 0 else "below")
-    if abs(diff) <= se:
-        return "within 1 s.e."
-    return f"{abs(diff) / se:.1f} s.e. {'above' if diff > 0 else 'below'}"
+    """``a``'s rule rate against ``b``'s, as the table words it: ``4.3 s.e. above`` when significant, else ``not
+    significant (1.6 s.e. above)``."""
+    diff, se = difference(a, b)
+    side = "equal" if not diff else "above" if diff > 0 else "below"
+    size = f"{abs(diff) / se:.1f} s.e. {side}" if se > 0 and diff else side
+    return size if conclusion(a, b) != "not significant" else f"not significant ({size})"
 
 
 def pace(hl, on):
@@ -56,13 +73,14 @@ def verdict(best, objective):
     hl, on, off = best["offline+humanline"], best["online"], best["offline"]
 
     def compare(a, b, name):
-        diff, se = a["rule_rate"] - b["rule_rate"], math.hypot(a["se"], b["se"])
-        if not se > 0:
-            return f"{'equal to' if diff == 0 else ('above' if diff > 0 else 'below')} {name} ({b['rule_rate']:.3f})"
-        if abs(diff) <= se:
-            return f"within 1 s.e. of {name} ({b['rule_rate']:.3f} +- {b['se']:.3f})"
-        return (f"{'above' if diff > 0 else 'below'} {name} ({b['rule_rate']:.3f} +- {b['se']:.3f}) by "
-                f"{abs(diff):.3f} = {abs(diff) / se:.1f} s.e.")
+        diff, se = difference(a, b)
+        rate = f"{b['rule_rate']:.3f} +- {b['se']:.3f}"
+        by = f"{abs(diff):.3f}" + (f" = {abs(diff) / se:.1f} s.e." if se > 0 else "")
+        said = conclusion(a, b)
+        if said != "not significant":
+            return f"{said} {name} ({rate}) by {by}"
+        return (f"not significantly different from {name} ({rate}; "
+                + (f"{by} {'above' if diff > 0 else 'below'})" if diff else "equal)"))
     line = (f"verdict: offline+humanline {objective.upper()} reaches a rule rate of {hl['rule_rate']:.3f} +- "
             f"{hl['se']:.3f}, {compare(hl, on, 'online')} and {pace(hl, on)} than online; "
             f"{compare(hl, off, 'plain offline')}")
