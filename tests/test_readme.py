@@ -1,8 +1,9 @@
-"""README's numbers are generated, never kept by hand: its demo table from the demo's committed record, its
-Benchmarks section from the committed GPU runs its marker names (``python -m bench report --readme`` writes both).
-The record is the default run's, and it still describes the code: its canary, a tiny run of every objective under
-pinned rounding, is repeated here and must give the bits recorded for this CPU (or, on a CPU the record has none
-for, the record's within round-off)."""
+"""The generated pages' numbers are generated, never kept by hand: README's demo table and docs/benchmarks.md's
+demo section from the demo's committed record, docs/benchmarks.md's tables and README's headline table from the
+committed GPU runs their markers name (``python -m bench report --readme`` writes them all). The record is the
+default run's, and it still describes the code: its canary, a tiny run of every objective under pinned rounding, is
+repeated here and must give the bits recorded for this CPU (or, on a CPU the record has none for, the record's
+within round-off)."""
 import json
 import os
 import warnings
@@ -13,16 +14,17 @@ from bench import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGENERATE = "python -m bench report --readme"
+DOCS = "docs/benchmarks.md"
 
 
-def _readme():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def _page(page="README.md"):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         return f.read()
 
 
-def _block(kind):
-    found = [(arg, content) for k, arg, content, _ in report.blocks(_readme()) if k == kind]
-    assert len(found) == 1, f"README.md must hold one <!-- {kind}: ... --> block, found {len(found)}"
+def _block(kind, page="README.md"):
+    found = [(arg, content) for k, arg, content, _ in report.blocks(_page(page)) if k == kind]
+    assert len(found) == 1, f"{page} must hold one <!-- {kind}: ... --> block, found {len(found)}"
     return found[0]
 
 
@@ -32,15 +34,43 @@ def _record():
         return json.load(f)
 
 
-def test_benchmarks_section_is_the_reports_output_for_the_runs_it_names():
-    runs, content = _block("benchmarks")
+def test_pages_hold_their_blocks():
+    """README holds the demo's default runs and the headline table; docs/benchmarks.md every run of the same record
+    and every table, from the same GPU runs as README's headline."""
+    assert {k for k, *_ in report.blocks(_page())} == {"demo-table", "headline"}
+    assert {k for k, *_ in report.blocks(_page(DOCS))} == {"demo-runs", "benchmarks"}
+    assert _block("demo-table")[0] == _block("demo-runs", DOCS)[0]
+    assert _block("headline")[0] == _block("benchmarks", DOCS)[0]
+
+
+def test_benchmarks_page_is_the_reports_output_for_the_runs_it_names():
+    runs, content = _block("benchmarks", DOCS)
     assert runs.split(), "the benchmarks marker names no run"
     for run in runs.split():
-        assert os.path.isdir(os.path.join(ROOT, run)), f"README's benchmarks marker names {run}, which is not here"
-    assert content == report.render(runs.split()) + "\n", (
-        f"README's Benchmarks section is not what `python -m bench report {runs}` writes: run `{REGENERATE}`")
+        assert os.path.isdir(os.path.join(ROOT, run)), f"{DOCS}'s benchmarks marker names {run}, which is not here"
+    assert content == report.expected("benchmarks", runs, DOCS) + "\n", (
+        f"{DOCS}'s tables are not what `python -m bench report {runs}` writes: run `{REGENERATE}`")
+    assert "](../bench/results/" in content and "](bench/" not in content  # links from docs/
 
 
+def test_headline_is_the_reports_output_for_the_runs_it_names():
+    runs, content = _block("headline")
+    assert content == report.headline(runs.split()) + "\n", f"README's headline table is stale: run `{REGENERATE}`"
+
+
+def test_headline_takes_the_best_peer_of_the_calls_shown():
+    """Per measure, the best peer of every call the tables show (quack's own call on the logits path, judged by its
+    ratio to the floor measured with it), against our best in the same call; retired paths are no one's row."""
+    runs = _block("headline")[0].split()
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in report.headline(runs).splitlines()[2:]}
+    logprobs = next(r for m, r in rows.items() if m.startswith("token log-probs from logits"))
+    assert "`quack cross_entropy(none)`" in logprobs and "`hk.token_logprobs`" in logprobs
+    assert "2026-11-28-h200-run9`" in logprobs  # quack ran in run 9's call of its own, ours beside it
+    grpo = next(r for m, r in rows.items() if m.startswith("GRPO loss from logits"))
+    assert "| `hk.fused.grpo` " in grpo and "`liger triton_grpo_loss`" in grpo
+    tables = [line for line in (report.render(runs) + report.headline(runs)).splitlines() if line.startswith("|")]
+    assert not [line for line in tables if "[previous]" in line]
+    assert "hk.fused[previous]" in _page("bench/results/2026-11-28-h200-run11/logits.json")  # kept in the JSON
 def test_report_adds_quack_and_the_arms_the_newest_e2e_lacks():
     """Run 9 (H200) ran quack in a call of its own (``quack/logits.json``) and no TRL arm: its logits section holds
     quack's table beside the main one, vocabularies in ascending order, and its e2e section is followed by run 6's
@@ -86,6 +116,8 @@ def test_demo_table_is_written_from_its_record():
     path, content = _block("demo-table")
     assert content == report.demo_block(_record(), path) + "\n", (
         f"README's demo table is not what {path} says: run `{REGENERATE}`")
+    assert _block("demo-runs", DOCS)[1] == report.expected("demo-runs", path, DOCS) + "\n", (
+        f"{DOCS}'s demo section is not what {path} says: run `{REGENERATE}`")
 
 
 def test_demo_record_is_the_default_run_of_every_objective():
@@ -148,3 +180,27 @@ def test_demo_header_names_the_cpu_model_when_the_record_has_it():
         e["machine"]["cpu"] = "GenuineIntel family 6 model 106"
     after = report.demo_block(record, path)
     assert "CPU AVX512 (GenuineIntel family 6 model 106), 2 cores" in after.replace("\n", " ")
+
+
+def test_demo_says_whether_other_rounding_draws_the_same_conclusions():
+    """The runs with ATEN_CPU_CAPABILITY alone set are the default runs rounded otherwise: the demo section says
+    whether each comparison (above, below or not significant at 2 s.e.) comes out the same, naming any that does
+    not; a record without such runs says nothing."""
+    def arms(hl, on=0.5, off=0.1, se=0.01):
+        return {a: {"rule_rate": v, "se": se} for a, v in (("offline", off), ("offline+humanline", hl),
+                                                             ("online", on))}
+
+    def run(objective, measured, capability, env=None):
+        return {"objective": objective, "flags": [], "env": env or {}, "arms": measured,
+                "machine": {"cpu_capability": capability}}
+    rec = {"runs": [run("dpo", arms(0.3), "AVX512"), run("kto", arms(0.3), "AVX512"),
+                    run("dpo", arms(0.29), "AVX2", {"ATEN_CPU_CAPABILITY": "avx2"}),
+                    run("dpo", arms(0.31), "DEFAULT", {"ATEN_CPU_CAPABILITY": "default"})]}
+    said = report.demo_agreement(rec)
+    assert "ATen's AVX2 and DEFAULT kernels" in said and "`ATEN_CPU_CAPABILITY=default`" in said
+    assert "the same conclusions for DPO:" in said and "KTO" not in said
+    rec["runs"][3]["arms"] = arms(0.12)  # 0.02 above offline: 1.4 s.e., not significant
+    said = report.demo_agreement(rec)
+    assert "other conclusions for DPO's humanline vs plain offline (above with AVX512, not significant with " \
+           "DEFAULT)" in said
+    assert report.demo_agreement({"runs": rec["runs"][:2]}) == ""
