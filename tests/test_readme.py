@@ -204,3 +204,11 @@ def test_demo_says_whether_other_rounding_draws_the_same_conclusions():
     assert "other conclusions for DPO's humanline vs plain offline (above with AVX512, not significant with " \
            "DEFAULT)" in said
     assert report.demo_agreement({"runs": rec["runs"][:2]}) == ""
+
+
+def test_readme_is_short():
+    """README: what it is, the two set-up commands, the API tour, the trainers, the headline table and links; the
+    full tables are docs/benchmarks.md's."""
+    assert len(_page().splitlines()) <= 250
+    for marker in ("<!-- demo-command -->", "<!-- test-command -->"):
+        assert _page().count(marker) == 1, marker
