@@ -76,7 +76,7 @@ def kto_batch(chosen, rejected, use=None):
 
 def _token_logps(model, seqs, labels, grad):
     with torch.set_grad_enabled(grad):
-        return hk.token_logprobs(model(seqs).logits[:, :-1], labels)
+        return hk.token_logprobs(model(seqs, use_cache=False).logits[:, :-1], labels)
 
 
 class Source:
@@ -146,7 +146,7 @@ def train_arm(arm, objective, start, pool, *, lr, seed, steps, batch, clip, sync
                 kl_pol = _token_logps(policy, b["kl_seqs"], b["kl_labels"], False)
         if syncer is not None:
             syncer.start()  # after the last reference forward of this step
-        logits = policy(b["seqs"]).logits[:, :-1]
+        logits = policy(b["seqs"], use_cache=False).logits[:, :-1]
         if objective == "dpo":
             loss, m = hk.fused.dpo(logits, b["labels"], ref_logps, clip=use_clip, beta=0.1)
         elif objective == "kto":

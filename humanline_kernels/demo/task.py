@@ -73,7 +73,7 @@ def fit_sft(model, steps, gen, device, p_rule, p_whole=0.0, lr=3e-3):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
         seqs = noisy_sequences(sample_prompts(64, gen, device), p_rule, gen, p_whole)
-        logits = model(seqs).logits[:, :-1]
+        logits = model(seqs, use_cache=False).logits[:, :-1]
         loss = -hk.token_logprobs(logits, labels_for(seqs)).sum() / (COMPL + 1) / seqs.shape[0]
         opt.zero_grad()
         loss.backward()
@@ -88,7 +88,7 @@ def generate(model, prompts, gen):
     model.eval()
     seqs = prompts
     for _ in range(COMPL + 1):
-        logits = model(seqs).logits[:, -1].float()
+        logits = model(seqs, use_cache=False).logits[:, -1].float()
         probs = torch.softmax(logits, -1).cpu()
         nxt = torch.multinomial(probs, 1, generator=gen).to(seqs.device)
         seqs = torch.cat([seqs, nxt], 1)
