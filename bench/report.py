@@ -526,31 +526,27 @@ def _demo_header(rec, record_path):
             f"wall time of each run, setup included: {took}):")
 
 
+def _rounded_otherwise(rec):
+    """The record's default runs with ``ATEN_CPU_CAPABILITY`` alone set: ATen's other instruction sets on the same
+    CPU, standing in for another CPU's rounding."""
+    return [e for e in rec["runs"] if not e["flags"] and set(e["env"]) == {"ATEN_CPU_CAPABILITY"}]
+
+
 def demo_agreement(rec):
-    """Whether the default runs' conclusions (each comparison above, below or not significant) hold when the same
-    runs round otherwise: the record's runs with ``ATEN_CPU_CAPABILITY`` alone set, ATen's other instruction sets
-    on the same CPU standing in for another CPU's rounding. Empty when the record has no such run."""
-    stats = _demo("stats")
-    alt = [e for e in rec["runs"] if not e["flags"] and set(e["env"]) == {"ATEN_CPU_CAPABILITY"}]
+    """How the default runs' table calls a comparison (:func:`humanline_kernels.demo.record.table` with
+    ``across``): above or below only when the runs rounded otherwise say so too. Empty when the record has none."""
+    alt = _rounded_otherwise(rec)
     main = [e for e in _default_runs(rec) if any(a["objective"] == e["objective"] for a in alt)]
     if not main:
         return ""
-    caps = list(dict.fromkeys(a["machine"]["cpu_capability"] for a in alt))
+    caps = " and ".join(dict.fromkeys(a["machine"]["cpu_capability"] for a in alt))
     envs = ", ".join(dict.fromkeys(f"`ATEN_CPU_CAPABILITY={a['env']['ATEN_CPU_CAPABILITY']}`" for a in alt))
-    differ = []
-    for e in main:
-        for a in (a for a in alt if a["objective"] == e["objective"]):
-            for other, name in (("online", "online"), ("offline", "plain offline")):
-                said = [stats.conclusion(x["arms"]["offline+humanline"], x["arms"][other]) for x in (e, a)]
-                if said[0] != said[1]:
-                    differ.append(f"{e['objective'].upper()}'s humanline vs {name} ({said[0]} with "
-                                  f"{e['machine']['cpu_capability']}, {said[1]} with {a['machine']['cpu_capability']})")
-    which = " and ".join(e["objective"].upper() for e in main)
-    text = (f"The default runs repeated with ATen's {' and '.join(caps)} kernels ({envs}, on the same CPU: a stand-in "
-            f"for another CPU's rounding) come to ")
-    if not differ:
-        return text + f"the same conclusions for {which}: each comparison above, below or not significant as here."
-    return text + f"other conclusions for {'; '.join(differ)}."
+    only = ("" if len(main) == len(_default_runs(rec)) else
+            f" (the record repeats {' and '.join(e['objective'].upper() for e in main)} only)")
+    return (f"A comparison is called above or below only when the same default runs with ATen's {caps} kernels "
+            f"({envs}, on the same CPU: stand-ins for another CPU's rounding) find it too, at "
+            f"{_demo('stats').SIGNIFICANT:g} s.e. or more; otherwise it is not significant, and the cell gives each "
+            f"run's number{only}.")
 
 
 def demo_block(rec, record_path):
@@ -560,7 +556,7 @@ def demo_block(rec, record_path):
     main = _default_runs(rec)
     if not main:
         return f"`{record_path}` holds no default run: rerun `python -m humanline_kernels.demo --objective all --save`."
-    out = [_demo_header(rec, record_path), "", _demo("record").table(main)]
+    out = [_demo_header(rec, record_path), "", _demo("record").table(main, _rounded_otherwise(rec))]
     rest = (demo_agreement(rec) + " " if demo_agreement(rec) else "") + (
         "Every run of the record, with flags or another environment, and the plots: "
         "[docs/benchmarks.md](docs/benchmarks.md).")
@@ -577,7 +573,7 @@ def demo_runs(rec, record_path):
     main, other = _default_runs(rec), [e for e in rec["runs"] if e["flags"] or e["env"]]
     out = []
     if main:
-        out += [_demo_header(rec, record_path), "", table(main)]
+        out += [_demo_header(rec, record_path), "", table(main, _rounded_otherwise(rec))]
         if demo_agreement(rec):
             out += ["", demo_agreement(rec)]
     if other:

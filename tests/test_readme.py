@@ -182,27 +182,34 @@ def test_demo_header_names_the_cpu_model_when_the_record_has_it():
     assert "CPU AVX512 (GenuineIntel family 6 model 106), 2 cores" in after.replace("\n", " ")
 
 
-def test_demo_says_whether_other_rounding_draws_the_same_conclusions():
-    """The runs with ATEN_CPU_CAPABILITY alone set are the default runs rounded otherwise: the demo section says
-    whether each comparison (above, below or not significant at 2 s.e.) comes out the same, naming any that does
-    not; a record without such runs says nothing."""
+def test_demo_calls_a_comparison_only_when_other_rounding_agrees():
+    """The record's runs with ATEN_CPU_CAPABILITY alone set are the default runs rounded otherwise: the demo's table
+    calls a comparison above or below only when they say so too (at 2 s.e.), else not significant with each run's
+    number, and the section says so; a record without such runs says nothing and calls each run alone."""
     def arms(hl, on=0.5, off=0.1, se=0.01):
-        return {a: {"rule_rate": v, "se": se} for a, v in (("offline", off), ("offline+humanline", hl),
-                                                             ("online", on))}
+        return {a: {"rule_rate": v, "se": se, "wall_s": 1.0} for a, v in (("offline", off), ("offline+humanline", hl),
+                                                                           ("online", on))}
 
     def run(objective, measured, capability, env=None):
-        return {"objective": objective, "flags": [], "env": env or {}, "arms": measured,
-                "machine": {"cpu_capability": capability}}
+        return {"objective": objective, "flags": [], "env": env or {}, "arms": measured, "settings": {},
+                "machine": {"cpu_capability": capability, "device": "cpu", "cores": 2, "processes": 2,
+                            "torch": "2.13.0", "transformers": "5.24.0"},
+                "commit": "abc", "dirty": False, "start": 0.07, "behaviour": 0.3, "total_s": 60.0}
     rec = {"runs": [run("dpo", arms(0.3), "AVX512"), run("kto", arms(0.3), "AVX512"),
                     run("dpo", arms(0.29), "AVX2", {"ATEN_CPU_CAPABILITY": "avx2"}),
-                    run("dpo", arms(0.31), "DEFAULT", {"ATEN_CPU_CAPABILITY": "default"})]}
+                    run("dpo", arms(0.12), "DEFAULT", {"ATEN_CPU_CAPABILITY": "default"})]}
+    for e in rec["runs"]:
+        e["settings"] = {"steps": 60, "batch": 16, "lrs": [1e-3], "seeds": 8}
     said = report.demo_agreement(rec)
     assert "ATen's AVX2 and DEFAULT kernels" in said and "`ATEN_CPU_CAPABILITY=default`" in said
-    assert "the same conclusions for DPO:" in said and "KTO" not in said
-    rec["runs"][3]["arms"] = arms(0.12)  # 0.02 above offline: 1.4 s.e., not significant
-    said = report.demo_agreement(rec)
-    assert "other conclusions for DPO's humanline vs plain offline (above with AVX512, not significant with " \
-           "DEFAULT)" in said
+    assert "(the record repeats DPO only)" in said
+    rows = report.demo_block(rec, "x/demo.json").split("\n")
+    dpo = next(r for r in rows if r.startswith("| DPO |"))
+    kto = next(r for r in rows if r.startswith("| KTO |"))
+    # DEFAULT's humanline is 1.4 s.e. above offline: not significant there, so not called above
+    assert dpo.endswith("| not significant: AVX512 14.1 s.e. above, AVX2 13.4 s.e. above, DEFAULT 1.4 s.e. above |")
+    assert "| 14.1 s.e. below, 1.0x faster |" in dpo  # below online in every run
+    assert kto.endswith("| 14.1 s.e. above |")  # no other rounding of KTO: its own run's call
     assert report.demo_agreement({"runs": rec["runs"][:2]}) == ""
 
 

@@ -126,10 +126,23 @@ def run_label(e):
     return ", ".join(parts) + (f" ({e['machine']['cpu_capability']})" if e["machine"]["cpu_capability"] else "")
 
 
-def table(entries):
+def _versus(e, other, across):
+    """offline+humanline against ``other`` in run ``e``; with ``across`` (the same runs rounded otherwise) above or
+    below only when every one of them says so too, else not significant with each run's number."""
+    hl, b = e["arms"]["offline+humanline"], e["arms"][other]
+    said = {stats.conclusion(x["arms"]["offline+humanline"], x["arms"][other]) for x in [e, *across]}
+    if len(said) == 1:
+        return stats.versus(hl, b)
+    sizes = [f"{x['machine']['cpu_capability'] or x['machine']['device']} "
+             f"{stats.size(x['arms']['offline+humanline'], x['arms'][other])}" for x in [e, *across]]
+    return f"not significant: {', '.join(sizes)}"
+
+
+def table(entries, across=()):
     """The runs as a markdown table: a row per run, the rule rates (mean +- s.e.) of the three arms and humanline
     against online (and its wall-time ratio) and against plain offline; a ``run`` column when any run has flags or
-    an environment of its own."""
+    an environment of its own. ``across``: other runs of the same objectives (the default runs rounded otherwise)
+    whose conclusions a comparison must share to be called above or below."""
     with_run = any(e["flags"] or e["env"] for e in entries)
     head = list(HEADER)
     if with_run:
@@ -137,9 +150,10 @@ def table(entries):
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         a = e["arms"]
-        hl, on = a["offline+humanline"], a["online"]
+        same = [x for x in across if x["objective"] == e["objective"]]
         cells = [label(e)] + ([run_label(e)] if with_run else [])
         cells += [f"{a[arm]['rule_rate']:.3f} +- {a[arm]['se']:.3f}" for arm in arms.ARMS]
-        cells += [f"{stats.versus(hl, on)}, {stats.pace(hl, on)}", stats.versus(hl, a["offline"])]
+        cells += [f"{_versus(e, 'online', same)}, {stats.pace(a['offline+humanline'], a['online'])}",
+                  _versus(e, "offline", same)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

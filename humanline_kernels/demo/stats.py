@@ -53,13 +53,17 @@ def conclusion(a, b):
     return "not significant"
 
 
+def size(a, b):
+    """How far ``a``'s rule rate is from ``b``'s: ``1.6 s.e. above`` (``equal``; ``above`` without a s.e.)."""
+    diff, se = difference(a, b)
+    side = "equal" if not diff else "above" if diff > 0 else "below"
+    return f"{abs(diff) / se:.1f} s.e. {side}" if se > 0 and diff else side
+
+
 def versus(a, b):
     """``a``'s rule rate against ``b``'s, as the table words it: ``4.3 s.e. above`` when significant, else ``not
     significant (1.6 s.e. above)``."""
-    diff, se = difference(a, b)
-    side = "equal" if not diff else "above" if diff > 0 else "below"
-    size = f"{abs(diff) / se:.1f} s.e. {side}" if se > 0 and diff else side
-    return size if conclusion(a, b) != "not significant" else f"not significant ({size})"
+    return size(a, b) if conclusion(a, b) != "not significant" else f"not significant ({size(a, b)})"
 
 
 def pace(hl, on):
