@@ -517,13 +517,15 @@ def _demo_header(rec, record_path):
         if first["commit"] else "outside a git checkout"
     same = all(e["machine"] == m and e["commit"] == first["commit"] for e in main)
     lrs = ", ".join(f"{x:g}" for x in s["lrs"])
-    took = ", ".join(f"{e['objective'].upper()} {e['total_s']:.0f} s" for e in main)
+    took = ", ".join(f"{e['objective'].upper()} {e['total_s']:.0f} s"
+                     + (f" ({e['cpu_s']:.0f} s)" if "cpu_s" in e else "") for e in main)
+    cpu = " (in parentheses the CPU time of all its processes)" if any("cpu_s" in e for e in main) else ""
     return (f"What the default run measured (`python -m humanline_kernels.demo --objective all --save "
             f"{record_path}`; {where}; {commit}{'' if same else ' (some rows elsewhere: see the record)'}; "
             f"{s['steps']} steps x {s['batch']} sequences, learning rates {lrs}, {s['seeds']} seeds; rule rate of "
             f"the policy's own samples on the reported prompts, mean +- s.e.; the starting policy is at "
             f"{first['start']:.3f}, the behaviour model that wrote the offline data at {first['behaviour']:.3f}; "
-            f"wall time of each run, setup included: {took}):")
+            f"wall time of each run, setup included{cpu}: {took}):")
 
 
 def _rounded_otherwise(rec):

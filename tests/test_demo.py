@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 
@@ -120,12 +121,16 @@ def test_demo_runs(monkeypatch, tmp_path, objective, workers):
     out = io.StringIO()
     png = tmp_path / "curve.png"
     lrs = (1e-3, 3e-3)
+    children_s = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
     res = experiment.run(objective, steps=4, seeds=2, lrs=lrs, sft_steps=2, eval_n=16, batch=8, quiet=True,
                    out=out, sync_every=2, resample_every=2, plot_path=str(png), workers=workers)
     text = out.getvalue()
     for arm in arms.ARMS:
         assert f"\n{arm} " in text
     assert len(res["runs"]) == 3 * 2 * len(lrs) and f"with {workers} process(es)" in text
+    # the CPU time of every process of the run, the workers' included (they end before it is read)
+    workers_s = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - children_s
+    assert (workers_s > 1.0) == (workers > 1) and res["info"]["cpu_s"] > workers_s
     assert text.count("verdict:") == 1 and res["verdict"] in text and f"plot: {png}" in text
     assert png.exists() and png.stat().st_size > 0
     best = res["best"]
@@ -182,7 +187,7 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
     out = capsys.readouterr().out
-    assert e.value.code == 0 and "(default: 60)" in out and "(default: dpo)" in out and "(default: 3)" in out
+    assert e.value.code == 0 and "(default: 60)" in out and "(default: dpo)" in out and "(default: 8)" in out
 
 
 def test_save_merges_runs_by_objective_flags_and_environment(tmp_path, monkeypatch):

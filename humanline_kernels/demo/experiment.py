@@ -25,7 +25,7 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def run(objective="dpo", steps=60, seeds=3, lrs=DEFAULT_LRS, seed=0, device="auto", batch=16, sft_steps=100,
+def run(objective="dpo", steps=60, seeds=8, lrs=DEFAULT_LRS, seed=0, device="auto", batch=16, sft_steps=100,
         eval_n=256, clip=None, sync_every=None, resample_every=10, plot_path=None, workers=None, quiet=False,
         out=sys.stdout, pool_prompts=512):
     """Run the three arms over the learning-rate grid and seeds; print the table and verdict; return the numbers."""
@@ -49,9 +49,20 @@ def run(objective="dpo", steps=60, seeds=3, lrs=DEFAULT_LRS, seed=0, device="aut
         torch.set_num_threads(threads)
 
 
+def _cpu_s():
+    """CPU seconds of this process and of its children that have ended (the worker processes, once joined); this
+    process's alone where there is no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover
+        return time.process_time()
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def _run(objective, steps, seeds, lrs, seed, device, batch, sft_steps, eval_n, clip, sync_every, resample_every,
          plot_path, workers, quiet, out, tqdm, pool_prompts):
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     gen = torch.Generator().manual_seed(seed)
     behaviour = task.fit_sft(task.make_model(seed + 1, device), sft_steps, gen, device, p_rule=0.3, p_whole=0.5)
     start = task.fit_sft(task.make_model(seed + 2, device), sft_steps, gen, device, p_rule=0.6)
@@ -77,7 +88,7 @@ def _run(objective, steps, seeds, lrs, seed, device, batch, sft_steps, eval_n, c
         runs = _run_pool(grid, start, pool, common, workers, bar)
     info["workers"] = workers
     best = stats.select_best(runs)
-    info["total_s"] = time.perf_counter() - t0
+    info["total_s"], info["cpu_s"] = time.perf_counter() - t0, _cpu_s() - cpu0
     print_table(best, info, out)
     line = stats.verdict(best, objective)
     print(line, file=out)
@@ -132,7 +143,8 @@ def print_table(best, info, out):
           + (f" ({info['cpu']})" if info.get("cpu") else "") + "; "
           f"clip [{info['clip'].log_eps_p}, {info['clip'].log_eps_r}], sync every {info['sync_every']}"
           + (f", offline samples redrawn every {info['resample_every']} steps" if info["objective"] == "grpo" else "")
-          + f"; setup {info['setup_s']:.1f}s, total {info['total_s']:.1f}s with {info['workers']} process(es)",
+          + f"; setup {info['setup_s']:.1f}s, total {info['total_s']:.1f}s with {info['workers']} process(es) "
+          f"({info['cpu_s']:.0f} CPU s)",
           file=out)
     print(f"rule rate of the behaviour model (offline data) {info['behaviour']:.3f}, "
           f"of the starting policy {info['start']:.3f}", file=out)

@@ -58,7 +58,8 @@ def entry(result, flags):
                         "cores": experiment.cores(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "python": platform.python_version()},
             "commit": commit, "dirty": dirty, "behaviour": info["behaviour"], "start": info["start"],
-            "setup_s": info["setup_s"], "total_s": info["total_s"], "arms": measured, "verdict": result["verdict"]}
+            "setup_s": info["setup_s"], "total_s": info["total_s"], "cpu_s": info["cpu_s"], "arms": measured,
+            "verdict": result["verdict"]}
 
 
 def _key(e):
