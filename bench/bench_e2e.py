@@ -51,7 +51,6 @@ import os
 import statistics
 import sys
 import time
-from unittest import mock
 
 from .cli import Parser
 
@@ -215,18 +214,17 @@ def _build(arm, a, device, dtype):
         reference = _frozen_copy(policy)
         held += list(reference.parameters()) + list(reference.buffers())
         # sync_paced: the copy in --slices parts through the policy's forward and backward (hooks on its leaves)
-        syncer = hk().ReferenceSyncer(policy, reference, every=1, slices=a.slices if arm == "sync_paced" else 1)
-        from humanline_kernels.sync import _copy
-        engine = arm != "sync"  # the copy engines (sync/_copy.py COPY_ENGINE, the default) or our kernel
+        # the copy engines (the default) or our kernel
+        syncer = hk().ReferenceSyncer(policy, reference, every=1, slices=a.slices if arm == "sync_paced" else 1,
+                                      copy_engine=arm != "sync")
 
         def step(i):
             b = batches[i % N_BATCHES]
             ref = _fused_ref_logps(reference, b)
-            with mock.patch.object(_copy, "COPY_ENGINE", engine):
-                syncer.start()  # after the step's reference forward; copies during the policy's forward/backward
-                loss = _fused_loss(policy, b, ref, clip)
-                loss.backward()
-                syncer.wait()
+            syncer.start()  # after the step's reference forward; copies during the policy's forward/backward
+            loss = _fused_loss(policy, b, ref, clip)
+            loss.backward()
+            syncer.wait()
             return finish(loss)
         step.syncer = syncer  # run_arm reports where a paced sync's parts went
     elif arm == "lookahead":
@@ -417,7 +415,7 @@ def main(argv=None):
     labels = {"offline": "offline hk.fused_linear.dpo, precomputed reference log-probs",
               "offline_ref": "offline hk.fused_linear.dpo, frozen reference forward every step",
               "offline_eager": "offline logits + eager log-softmax",
-              "sync": "humanline hk sync, copied by our kernel (HK_SYNC_COPY_ENGINE=0)",
+              "sync": "humanline hk sync, copied by our kernel (copy_engine=False)",
               "sync_ce": "humanline hk sync, copied by the copy engines (the default: batched cudaMemcpyBatchAsync)",
               "sync_paced": f"humanline hk sync, copy engines, in {a.slices} slices through the step",
               "lookahead": "humanline hk lookahead", "authors": "humanline authors' way",

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import threading
 import time
-from unittest import mock
 
 import torch
 
@@ -138,35 +137,31 @@ def parity(N, V, D, device="cuda"):
     clip = hk.HumanlineClip()
     check("token_logprobs", lambda z: hk.token_logprobs(z, y), lambda z: hk.reference.token_logprobs(z, y), x,
           logp=True)
-    # the dense losses twice: the default path, the finalize folded into the row kernel (issue 53; the default since
-    # run 5 checked it), then the previous path (HK_FOLD_FINALIZE=0: the row kernel, then a finalize launch)
-    from humanline_kernels.ops import constants
-    for fold in (True, False) if dev == "cuda" else (True,):
-        with mock.patch.object(constants, "FOLD_FINALIZE", fold):
-            for c in (clip, None):
-                tag = ("clip" if c else "noclip") + ("" if fold else " previous")
-                for lt in ("dapo", "bnpo", "grpo", "dr_grpo"):
-                    kw = dict(clip=c, loss_type=lt, beta=0.04)
-                    check(f"fused.grpo {lt} {tag}", lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, **kw)[0],
-                          lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask,
-                                                             **kw)[0], x)
-                kw = dict(clip=c, beta=0.04)
-                check(f"fused.grpo grad_in_forward {tag}",
-                      lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, grad_in_forward=True, **kw)[0],
-                      lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
-                check(f"fused.grpo grad_in_forward inplace {tag}",
-                      lambda z, kw=kw: hk.fused.grpo(z * 1, y, ref, adv, grad_in_forward=True, inplace_backward=True,
-                                                     **kw)[0],
-                      lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
-                check(f"fused.dpo {tag}", lambda z, c=c: hk.fused.dpo(z, y, ref, clip=c)[0],
-                      lambda z, c=c: hk.reference.dpo(hk.reference.token_logprobs(z, y), ref, mask, clip=c)[0], x)
-                check(f"fused.dpo inplace {tag}",
-                      lambda z, c=c: hk.fused.dpo(z * 1, y, ref, clip=c, inplace_backward=True)[0],
-                      lambda z, c=c: hk.reference.dpo(hk.reference.token_logprobs(z, y), ref, mask, clip=c)[0], x)
-                kl = (ref[:2] - 0.1, ref[:2], mask[:2])
-                check(f"fused.kto {tag}", lambda z, c=c: hk.fused.kto(z, y, ref, des, *kl, clip=c)[0],
-                      lambda z, c=c: hk.reference.kto(hk.reference.token_logprobs(z, y), ref, mask, des, *kl,
-                                                      clip=c)[0], x)
+    # the dense losses: one launch forward (the finalize folded into the row kernel)
+    for c in (clip, None):
+        tag = "clip" if c else "noclip"
+        for lt in ("dapo", "bnpo", "grpo", "dr_grpo"):
+            kw = dict(clip=c, loss_type=lt, beta=0.04)
+            check(f"fused.grpo {lt} {tag}", lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, **kw)[0],
+                  lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask,
+                                                     **kw)[0], x)
+        kw = dict(clip=c, beta=0.04)
+        check(f"fused.grpo grad_in_forward {tag}",
+              lambda z, kw=kw: hk.fused.grpo(z, y, ref, adv, grad_in_forward=True, **kw)[0],
+              lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
+        check(f"fused.grpo grad_in_forward inplace {tag}",
+              lambda z, kw=kw: hk.fused.grpo(z * 1, y, ref, adv, grad_in_forward=True, inplace_backward=True,
+                                             **kw)[0],
+              lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask, **kw)[0], x)
+        check(f"fused.dpo {tag}", lambda z, c=c: hk.fused.dpo(z, y, ref, clip=c)[0],
+              lambda z, c=c: hk.reference.dpo(hk.reference.token_logprobs(z, y), ref, mask, clip=c)[0], x)
+        check(f"fused.dpo inplace {tag}",
+              lambda z, c=c: hk.fused.dpo(z * 1, y, ref, clip=c, inplace_backward=True)[0],
+              lambda z, c=c: hk.reference.dpo(hk.reference.token_logprobs(z, y), ref, mask, clip=c)[0], x)
+        kl = (ref[:2] - 0.1, ref[:2], mask[:2])
+        check(f"fused.kto {tag}", lambda z, c=c: hk.fused.kto(z, y, ref, des, *kl, clip=c)[0],
+              lambda z, c=c: hk.reference.kto(hk.reference.token_logprobs(z, y), ref, mask, des, *kl,
+                                              clip=c)[0], x)
     # a packed batch (issue 33): the same rows end to end, the row kernels through the token map; boundaries on the
     # host (as TRL's collator makes them) and on the device with max_seqlen
     lens = [T - (i * T) // (2 * B) for i in range(B)]  # from T down to about T / 2

@@ -1,6 +1,6 @@
 """Logits-path benchmark: token log-probs and fused humanline losses, forward + backward, side by side.
 
-``python -m bench logits [--quick] [--out DIR] [--n N] [--vocab V ...] [--only SUBSTR ...]``
+``python -m bench logits [--quick] [--out DIR] [--n N] [--vocab V ...] [--only SUBSTR ...] [--baseline REF ...]``
 
 Shapes: ``N`` tokens (default 8192) x ``V`` in {32000, 128256, 151936, 262144}, bf16 logits. Every row times one
 forward + backward (``torch.autograd.grad``, so nothing accumulates into ``.grad``) and records the peak memory
@@ -10,10 +10,20 @@ per ms): the 3-pass floor reads the logits in the forward and reads + writes the
 Baselines: eager fp32 ``log_softmax + gather``, its ``torch.compile`` version, Liger-Kernel
 ``CrossEntropyLoss(reduction="none")`` and ``triton_grpo_loss``, quack ``cross_entropy(reduction="none")``
 (each when importable). ``--quick``: a tiny CPU smoke of the harness (eager paths, seconds).
+
+``--baseline REF`` (a git commit, branch or tag; repeatable) also times the package as it was at ``REF``: a
+``git worktree`` of it in a temporary folder beside this checkout's, its own ``python -m bench logits`` with the same
+shapes run there (``PYTHONPATH`` at that worktree), its ``hk.*`` rows added to this run's as ``NAME @REF``; the
+worktree is removed afterwards. An older version is compared by running it, not by a switch in the package.
 """
 from __future__ import annotations
 
-from unittest import mock
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -31,14 +41,7 @@ def _inputs(N, V, device, dtype, seed=0):
     return x, y, ref
 
 
-def _with(call, **values):
-    """``call`` with ``ops.constants`` set to ``values`` (e.g. ``FOLD_FINALIZE=False``: the previous path), the
-    defaults back after it (each name must exist: a misspelt switch raises instead of timing the default)."""
-    from humanline_kernels.ops import constants
-    return mock.patch.multiple(constants, **values)(call)
-
-
-def _impls(x, y, ref, quick, gif_programs=()):
+def _impls(x, y, ref, quick):
     """name -> (callable doing forward + backward, passes over the logits it needs at best: 3 or 2)."""
     import humanline_kernels as hk
 
@@ -64,8 +67,8 @@ def _impls(x, y, ref, quick, gif_programs=()):
         "hk.fused.grpo": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False)[0]), 3),
         "hk.fused.grpo(grad_in_fwd)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False,
                                                                   grad_in_forward=True)[0]), 2),
-        # issue 53's other GRPO variants: per-row weights ("grpo": a weights launch first with the gradient in the
-        # forward) and the clip off (a kernel variant of its own)
+        # GRPO's other variants: per-row weights ("grpo": a weights launch first with the gradient in the forward)
+        # and the clip off (a kernel variant of its own)
         "hk.fused.grpo(grpo,noclip)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, loss_type="grpo",
                                                                   clip=None, validate=False)[0]), 3),
         "hk.fused.grpo(grad_in_fwd,grpo)": (lambda: grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, loss_type="grpo",
@@ -80,18 +83,6 @@ def _impls(x, y, ref, quick, gif_programs=()):
                                                    validate=False)[0]), 3),
         "eager fp32 log_softmax+gather": (lambda: grad(eager_lp(x), g), 3),
     }
-    # the previous path (HK_FOLD_FINALIZE=0: the row kernel, then a finalize launch; the default before run 5) beside
-    # the default, which folds the finalize into the row kernel (and runs GRPO's gradient in the forward on the
-    # persistent grid)
-    for name in ("hk.fused.grpo", "hk.fused.grpo(grad_in_fwd)", "hk.fused.grpo(grpo,noclip)",
-                 "hk.fused.grpo(grad_in_fwd,grpo)", "hk.fused.dpo", "hk.fused.kto"):
-        call, passes = impls[name]
-        impls[name.replace("hk.fused.", "hk.fused[previous].")] = (_with(call, FOLD_FINALIZE=False), passes)
-    # the persistent grid with fewer programs than SMs (--gif-programs): fewer rows in flight for L2 to hold (run 5,
-    # H100: with 132, the second sweep read its rows back from HBM, 1.47x the 2-pass floor)
-    call, passes = impls["hk.fused.grpo(grad_in_fwd)"]
-    for P in gif_programs:
-        impls[f"hk.fused.grpo(grad_in_fwd,{P} programs)"] = (_with(call, GIF_PROGRAMS=P), passes)
     if quick or not x.is_cuda:  # the peers below are GPU kernels (Liger's Triton kernels fail on CPU tensors)
         return impls
     compiled = torch.compile(eager_lp)
@@ -126,7 +117,51 @@ def _impls(x, y, ref, quick, gif_programs=()):
     return impls
 
 
-def run(N, vocabs, *, quick, only=None, out_dir="bench/out", gif_programs=()):
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class BaselineError(Exception):
+    """A ``--baseline`` that cannot be timed: the message is the one line the CLI prints."""
+
+
+def _git(*args, cwd=ROOT):
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def baseline_rows(ref, N, vocabs, *, quick, only=None):
+    """The ``hk.*`` rows of ``python -m bench logits`` run at git ``ref`` (``NAME @REF``): a worktree of ``ref`` in
+    a temporary folder, the benchmark run there in a subprocess whose ``PYTHONPATH`` is that worktree, then the
+    worktree removed (also when the run fails). ``BaselineError`` (one line) for a ref git does not know or a run
+    that fails."""
+    commit = _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    if commit.returncode != 0:
+        raise BaselineError(f"--baseline {ref!r}: not a commit of this repository (git rev-parse finds none)")
+    tmp = tempfile.mkdtemp(prefix="hk-baseline-")
+    tree, out = os.path.join(tmp, "tree"), os.path.join(tmp, "out")
+    try:
+        made = _git("worktree", "add", "--detach", tree, commit.stdout.strip())
+        if made.returncode != 0:
+            raise BaselineError(f"--baseline {ref!r}: git worktree add failed: "
+                                f"{(made.stderr.strip().splitlines() or ['?'])[-1]}")
+        args = ["--out", out, "--n", str(N), "--vocab", *map(str, vocabs)] + (["--quick"] if quick else [])
+        if only:
+            args += ["--only", *only]
+        env = dict(os.environ, PYTHONPATH=tree)
+        res = subprocess.run([sys.executable, "-m", "bench", "logits", *args], cwd=tree, env=env,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            raise BaselineError(f"--baseline {ref!r}: its bench logits failed (exit {res.returncode}): {last}")
+        with open(os.path.join(out, f"logits{'_quick' if quick else ''}.json")) as f:
+            rows = json.load(f)["rows"]
+    finally:
+        _git("worktree", "remove", "--force", tree)
+        _git("worktree", "prune")
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [dict(r, impl=f"{r['impl']} @{ref}") for r in rows if r["impl"].startswith("hk.")]
+
+
+def run(N, vocabs, *, quick, only=None, out_dir="bench/out", baselines=()):
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
     dtype = torch.bfloat16
     bw = common.copy_bandwidth_bytes_per_ms(device=device)
@@ -136,7 +171,7 @@ def run(N, vocabs, *, quick, only=None, out_dir="bench/out", gif_programs=()):
         nbytes = N * V * x.element_size()
         floor = {3: 3 * nbytes / bw, 2: 2 * nbytes / bw}
         results = {}
-        for name, (fn, passes) in _impls(x, y, ref, quick, gif_programs).items():
+        for name, (fn, passes) in _impls(x, y, ref, quick).items():
             if only and not any(s in name for s in only):
                 continue
             row = {"impl": name, "N": N, "V": V, "floor3_ms": floor[3], "floor2_ms": floor[2]}
@@ -165,8 +200,11 @@ def run(N, vocabs, *, quick, only=None, out_dir="bench/out", gif_programs=()):
         del x, y, ref
         if device == "cuda":
             torch.cuda.empty_cache()
+    for ref in baselines:  # after this version's rows, with their memory freed
+        rows += baseline_rows(ref, N, vocabs, quick=quick, only=only)
     meta = {"N": N, "vocabs": list(vocabs), "dtype": "bfloat16", "copy_bandwidth_TBps": bw * 1e3 / 1e12,
-            "quick": quick, "what": "forward + backward (autograd.grad) per impl; floors from the measured copy"}
+            "quick": quick, "baselines": list(baselines),
+            "what": "forward + backward (autograd.grad) per impl; floors from the measured copy"}
     return common.save("logits" + ("_quick" if quick else ""), rows, meta, out_dir, x="V", y="ratio_3pass")
 
 
@@ -177,12 +215,16 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=None, help="tokens (default 8192; 64 with --quick)")
     p.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes")
     p.add_argument("--only", nargs="+", default=None, help="run only impls whose name contains one of these")
-    p.add_argument("--gif-programs", type=int, nargs="+", default=(), metavar="P",
-                   help="also GRPO's gradient in the forward on a persistent grid of P programs (default: one an SM)")
+    p.add_argument("--baseline", action="append", default=[], metavar="REF",
+                   help="also time the package at this git commit, branch or tag (a worktree of it, removed after)")
     a = p.parse_args(argv)
     N = a.n or (64 if a.quick else 8192)
     vocabs = a.vocab or ((1000, 3000) if a.quick else VOCABS)
-    if any(P < 1 for P in a.gif_programs):
-        p.error(f"--gif-programs must be >= 1, got {' '.join(map(str, a.gif_programs))}")
-    run(N, vocabs, quick=a.quick, only=a.only, out_dir=a.out, gif_programs=a.gif_programs)
+    for ref in a.baseline:  # before anything is timed: a bad ref is one line, at once
+        if _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}").returncode != 0:
+            p.error(f"--baseline {ref!r}: not a commit of this repository (git rev-parse finds none)")
+    try:
+        run(N, vocabs, quick=a.quick, only=a.only, out_dir=a.out, baselines=a.baseline)
+    except BaselineError as e:
+        p.error(str(e))
     return 0

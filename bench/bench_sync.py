@@ -9,9 +9,10 @@
 2. ``overlap``: a GEMM workload (``--gemms`` bf16 8192^3 matmuls, about a 1.2 B-model step) alone, with an
    overlapped sync (fp32 policy -> bf16 reference) started before and waited after it, and with a blocking sync;
    then a bf16 policy (same-dtype groups) overlapped, copied by our kernel and by the copy engines
-   (``sync._copy.COPY_ENGINE``: the extension's one ``cudaMemcpyBatchAsync`` hinted to overlap with compute, and
-   ``copy_`` per tensor; a copy engine takes no SMs from the GEMMs); then the same GEMMs as a policy's forward
-   (one leaf module each) with the sync paced in ``--slices`` parts (``ReferenceSyncer(slices=...)``).
+   (``ReferenceSyncer(copy_engine=True)``, the default: the extension's one ``cudaMemcpyBatchAsync`` hinted to
+   overlap with compute, and ``copy_`` per tensor; a copy engine takes no SMs from the GEMMs); then the same
+   GEMMs as a policy's forward (one leaf module each) with the sync paced in ``--slices`` parts
+   (``ReferenceSyncer(slices=...)``).
 3. ``fsdp2``: a training step of a small FSDP2 model (world size 1) with and without the overlapped sync, and
    with the paper's way (``unwrap_model(policy).state_dict()`` + ``reference.load_state_dict``, here the full
    state dict through ``torch.distributed.checkpoint.state_dict``); ``ratio`` = state_dict way / our sync.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import os
 import time
-from unittest import mock
 
 import torch
 from torch import nn
@@ -104,14 +104,11 @@ def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
         for _ in range(gemms):
             torch.mm(a, b)
 
-    from humanline_kernels.sync import _copy
-
-    def with_sync(s, engine, fwd=work):  # the copier is chosen at each call: the rows alternate
+    def with_sync(s, fwd=work):
         def step():
-            with mock.patch.object(_copy, "COPY_ENGINE", engine):
-                s.start()
-                fwd()
-                s.wait()
+            s.start()
+            fwd()
+            s.wait()
         return step
 
     pol16 = Flat(shapes, torch.bfloat16, device)  # same-dtype groups: the ones the copy engines can take
@@ -123,7 +120,7 @@ def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
             ("GEMMs + overlapped bf16 sync (kernel)", pol16, True, False, None),
             ("GEMMs + overlapped bf16 sync (copy engines, batched)", pol16, True, True, None),
             ("GEMMs + overlapped bf16 sync (copy engines, copy_ per tensor)", pol16, True, True, False)]:
-        fns[name] = with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap, use_kernel=kernel), engine)
+        fns[name] = with_sync(hk.ReferenceSyncer(policy, ref, overlap=overlap, use_kernel=kernel, copy_engine=engine))
     # paced: the syncer hooks the policy's leaf modules, so the GEMMs run as a policy's forward (one leaf each); each
     # paced row has its own chain and syncer, hence its own hooks, since the rows alternate. Timed alone with the
     # hooks on (the GPU-bound chain should hide their host time), then with the sync in ``slices`` parts, one every
@@ -133,10 +130,10 @@ def bench_overlap(device, scale, gemms, slices=15, rounds=6, calls=5):
     for name, engine in [(f"GEMMs + overlapped bf16 sync (copy engines, batched, {slices} slices)", True),
                          (f"GEMMs + overlapped bf16 sync (kernel, {slices} slices)", False)]:
         chain = Chain(pol16.ps, a, b, gemms)
-        syncer = hk.ReferenceSyncer(chain, paced_ref, slices=slices)
+        syncer = hk.ReferenceSyncer(chain, paced_ref, slices=slices, copy_engine=engine)
         if engine:
             fns["GEMMs as the paced policy's forward, hooked, alone"] = chain
-        fns[name] = with_sync(syncer, engine, chain)
+        fns[name] = with_sync(syncer, chain)
         paced.append((name, syncer))
     ms, by_round = common.interleaved(fns, device, rounds=rounds, calls=calls)
     parts = {name: dict(syncer._pace.issued) for name, syncer in paced}  # where the last step's parts went

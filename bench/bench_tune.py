@@ -25,7 +25,6 @@ import time
 import torch
 
 from . import common
-from .bench_logits import _with
 from .cli import Parser
 
 VOCABS = (32000, 128256, 151936)
@@ -53,10 +52,9 @@ def family_call(family, N, V, device):
     elif family == "bwd":
         def call():
             torch.autograd.grad(hk.token_logprobs(x, y, validate=False), x, go)
-    elif family == "gif":  # the persistent grid is the fold's (the default path)
-        call = _with(lambda: torch.autograd.grad(
-            hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True)[0], x),
-            FOLD_FINALIZE=True)
+    elif family == "gif":  # the persistent grid of the one-launch forward
+        def call():
+            torch.autograd.grad(hk.fused.grpo(x, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True)[0], x)
     else:
         raise ValueError(f"unknown family {family!r}")
     return call

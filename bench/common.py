@@ -40,9 +40,14 @@ def env_info() -> dict:
             info[mod] = getattr(m, "__version__", None) or metadata.version(dist)
         except Exception:
             info[mod] = "installed"
-    from humanline_kernels.ops import constants
-    # the logits-level path that ran (HK_FOLD_FINALIZE selects it; run 5's host rows were timed with it set)
-    info["fold_finalize"] = constants.FOLD_FINALIZE
+    # the version of the package that ran (an older one is compared by running it: bench logits --baseline)
+    import subprocess
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
+        info["commit"] = out.stdout.strip() or None
+    except Exception:
+        info["commit"] = None
     return info
 
 

@@ -36,13 +36,10 @@ import torch
 from .cli import Parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the [previous] cases: the same calls on the previous path (HK_FOLD_FINALIZE=0: the row kernel, then a finalize
-# launch; bench logits' rows of that name); the plain names are the default, the finalize folded into the row kernel
+# bench logits' rows of these names (an older version's kernels: run this at that version, from git)
 CASES = ("hk.token_logprobs", "hk.fused.grpo", "hk.fused.grpo(grad_in_fwd)", "hk.fused.dpo", "hk.fused.kto",
-         "hk.fused[previous].grpo", "hk.fused[previous].grpo(grad_in_fwd)", "hk.fused[previous].dpo",
-         "hk.fused[previous].kto", "liger triton_grpo_loss")
-SHORT = dict(zip(CASES, ("tlp", "grpo", "grpo-gif", "dpo", "kto", "grpo-prev", "grpo-gif-prev", "dpo-prev",
-                         "kto-prev", "liger")))  # the summary's "used by" column
+         "liger triton_grpo_loss")
+SHORT = dict(zip(CASES, ("tlp", "grpo", "grpo-gif", "dpo", "kto", "liger")))  # the summary's "used by" column
 # per-SM limits of the occupancy estimate: registers, threads, resident CTAs, shared memory, reserved a CTA (bytes)
 LIMITS = {90: (65536, 2048, 32, 228 * 1024, 1024), 80: (65536, 2048, 32, 164 * 1024, 1024)}
 
@@ -145,9 +142,6 @@ def case_calls(N, V):
         "hk.fused.kto": lambda: grad(hk.fused.kto(x.view(2, N // 2, V), y.view(2, -1), half, des,
                                                   validate=False)[0]),
     }
-    from .bench_logits import _with
-    for name in ("hk.fused.grpo", "hk.fused.grpo(grad_in_fwd)", "hk.fused.dpo", "hk.fused.kto"):
-        calls[name.replace("hk.fused.", "hk.fused[previous].")] = _with(calls[name], FOLD_FINALIZE=False)
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
     except Exception as e:

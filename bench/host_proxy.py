@@ -179,13 +179,12 @@ class _LowerBound(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, ref, adv):
-        from humanline_kernels.ops.finalize import kernel as FK
-        from humanline_kernels.ops.token_terms import kernel as TK
+        from humanline_kernels.ops import grpo, token_terms
         B, T = y.shape
         planes = torch.empty((7, B, T), dtype=torch.float32, device=x.device)
         small = torch.empty((B + 5,), dtype=torch.float32, device=x.device)
-        _noop(**dict(zip(TK._token_terms_kernel.arg_names, (x, y, ref, adv, planes) * 16)))
-        _noop(**dict(zip(FK._grpo_finalize_kernel.arg_names, (planes, y, small) * 16)))
+        _noop(**dict(zip(token_terms._token_terms_kernel.arg_names, (x, y, ref, adv, planes) * 16)))
+        _noop(**dict(zip(grpo._grpo_finalize_kernel.arg_names, (planes, y, small) * 16)))
         loss, met = small[0], small[1:5]
         ctx.save_for_backward(x, y, planes, small)
         ctx.mark_non_differentiable(met)
@@ -194,10 +193,10 @@ class _LowerBound(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _):
-        from humanline_kernels.ops.logprobs import kernel as LPK
+        from humanline_kernels.ops import logprobs
         x, y, planes, small = ctx.saved_tensors
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _noop(**dict(zip(LPK._logprobs_bwd_kernel.arg_names, (x, y, planes, small, g, out) * 16)))
+        _noop(**dict(zip(logprobs._logprobs_bwd_kernel.arg_names, (x, y, planes, small, g, out) * 16)))
         return out, None, None, None
 
 

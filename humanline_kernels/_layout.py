@@ -17,7 +17,7 @@ A :class:`TokenMap` lists the positions to compute: ``plane[i]``, the position's
 per-token planes that the kernels and the finalize read (the padded layout), and ``source[i]``, its flat index in
 the caller's token stream (the rows of ``logits`` / ``hidden``). Small per-token tensors move between the layouts
 with :func:`unpack` (a scatter of ``N`` numbers); logits and hidden states never move: the row kernels read logits
-row ``r`` and address token ``plane[r]`` (``ops.logprobs.kernel._token``), the fused-linear driver gathers the
+row ``r`` and address token ``plane[r]`` (``ops.common.row_token``), the fused-linear driver gathers the
 chunk's hidden rows for its GEMM.
 
 No host sync: ``cu_seqlens`` as a tensor with ``max_seqlen`` given builds the map with a few tensor ops where the
@@ -31,7 +31,7 @@ does the fused-linear level with ``cu_seqlens`` on the GPU: it chunks by rows on
 
 Every map addresses only its planes, even unchecked (``validate=False``): a device map clamps each position into
 its sequence's row, and the row kernels clamp each map entry into the ``[B, T]`` tensors
-(``ops.logprobs.kernel._token``). Broken boundaries then give an unspecified result, never a write outside a buffer.
+(``ops.common.row_token``). Broken boundaries then give an unspecified result, never a write outside a buffer.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ._validation import device_check
+from . import _validation
 
 __all__ = ["Packed", "TokenMap", "packed_map", "check_bounds", "supervised_map", "flat", "unpack", "unpack_like",
            "pack"]
@@ -183,8 +183,9 @@ def _check_cu_device(cu: Tensor, N: int, T: int, name="packed"):
     d = torch.diff(cu, prepend=cu.new_zeros(1))  # d[0] = cu[0]: 0 when the first boundary is
     ok = ((d >= 0) & (d <= T)).all() & (d[0] == 0) & (cu[-1] == N)
     longest = f" and hold no sequence longer than max_seqlen={T}" if T < N else ""
-    device_check(ok, f"{name}.cu_seqlens must start at 0, never decrease, end at the {N} packed positions{longest}",
-                 lambda: f", got {_shown(cu.tolist())}")
+    _validation.device_check(
+        ok, f"{name}.cu_seqlens must start at 0, never decrease, end at the {N} packed positions{longest}",
+        lambda: f", got {_shown(cu.tolist())}")
 
 
 def check_bounds(packed: Packed, N: int, *, validate=True, name="packed"):
@@ -315,3 +316,28 @@ def pack(y: Tensor, tm: TokenMap, shape) -> Tensor:
     out = y.new_zeros(tm.N)
     return out.index_put((tm.source if tm.source is not None else torch.arange(tm.M, device=y.device),),
                          vals).view(shape)
+
+
+def check_packed(name, x, labels, ref_logps, packed, p=None, *, packed_name="packed"):
+    """A packed batch (:class:`~humanline_kernels.Packed`, given as ``packed_name``): ``x`` (``logits``, ``hidden``
+    or ``logps``; KTO's ``kl_logps``) is ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]``
+    (``labels`` is checked against ``x`` by the level's own check; ``ref_logps`` shaped like it,
+    :func:`._validation.check_ref` for the loss ``p``)."""
+    if not isinstance(packed, Packed):
+        raise ValueError(f"{packed_name} must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
+                         f"{type(packed).__name__}")
+    per_token = name.endswith("logps")
+    if not isinstance(x, torch.Tensor) or x.dim() not in ((1, 2) if per_token else (2, 3)) or (
+            x.dim() == (2 if per_token else 3) and x.shape[0] != 1):
+        want = "[N] or [1, N]" if per_token else "[N, V] or [1, N, V]" if name == "logits" else "[N, D] or [1, N, D]"
+        got = _validation.shape_of(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise ValueError(f"{name} must have shape {want} (a tensor) for a packed batch, got {got}")
+    if p is not None:
+        _validation.check_tensor("labels", labels, dtypes=(torch.int64,), device=x.device)
+        if tuple(labels.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"labels must have shape {list(x.shape[:-1])} ({name} without its last dimension), "
+                             f"got {_validation.shape_of(labels)}")
+        _validation.check_ref(p, ref_logps, labels)
+    elif ref_logps is not None:
+        _validation.check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=_validation.LOGP_DTYPES,
+                                 device=labels.device)

@@ -2,15 +2,17 @@
 
 A public function builds its loss's params from its keywords (the same keywords at every input level), checks
 them once (:mod:`._validation`), and hands the object down whole: to the ``autograd.Function``, to the
-fused-linear driver, to the kernels' launchers, which flatten it to scalars only where a kernel or a
-``torch.library`` op needs scalars (:attr:`Loss.terms`, computed once per object). The tensors a loss needs besides
-the log-probs (advantages, the KTO labels and KL rows, ...) travel as the loss's :attr:`Loss.Inputs` tuple.
+fused-linear driver, to the kernels' launchers, which hand its fields on by name, as scalars only where a kernel
+or a ``torch.library`` op needs scalars (``clip.log_eps_p`` is ``log_eps_p`` down to the kernel). The tensors a loss
+needs besides the log-probs (advantages, the KTO labels and KL rows, ...) travel as the loss's :attr:`Loss.Inputs`
+tuple.
 
 A new objective adds a params class here (its keywords), its math in :mod:`humanline_kernels.losses` and its
 ground truth in :mod:`humanline_kernels.reference`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
@@ -18,7 +20,52 @@ from typing import ClassVar, NamedTuple, Optional
 from torch import Tensor
 
 from ._clip import DEFAULT_CLIP, HumanlineClip
-from .ops.constants import MODE_GRPO, MODE_RATIO
+from .ops.constants import Aggregation, Terms
+
+# TRL 1.16's GRPO loss types, every one at the log-prob level (hk.reference, hk.losses)
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# the ones the kernels aggregate (the logits and hidden-state levels), and how: over tokens (dapo, bnpo), the mean of
+# the row means (grpo), over a fixed count (dr_grpo)
+GRPO_AGGREGATION = {"dapo": Aggregation.TOKENS, "bnpo": Aggregation.TOKENS, "grpo": Aggregation.ROWS,
+                    "dr_grpo": Aggregation.FIXED}
+
+# the metrics of each loss's finalize, in the order of the kernel's ``metrics`` tensor
+METRICS = {
+    "dpo": ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "unclipped_frac"),
+    "kto": ("kl", "rewards_desirable", "rewards_undesirable", "unclipped_frac"),
+    "grpo": ("unclipped_frac", "kl", "clip_frac_low", "clip_frac_high"),
+    "sequence": ("unclipped_frac", "n_tokens", "n_unclipped"),
+}
+
+
+def named_metrics(name, met):
+    """The API's metrics dict of a finalize kernel's ``metrics`` tensor (0-d views, in :data:`METRICS` order)."""
+    return dict(zip(METRICS[name], met.unbind(0)))
+
+
+def options(spec):
+    """The defaults of a public function's loss options, written once: the params class ``spec`` (its dataclass
+    fields' defaults) fills every keyword-only parameter that the function's signature lists without a default, so
+    ``hk.losses``, ``hk.fused`` and ``hk.fused_linear`` name the same options and share one set of defaults. A
+    keyword that ``spec`` has must not restate a default of its own; one that it lacks (a level's own, e.g.
+    ``validate``) must have one."""
+    fields = {f.name: f for f in dataclasses.fields(spec)}
+
+    def stamp(fn):
+        code = fn.__code__
+        kwonly = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+        given = dict(fn.__kwdefaults__ or {})
+        for name in kwonly:
+            field = fields.get(name)
+            if field is not None and name in given:
+                raise TypeError(f"{fn.__qualname__}: {name}'s default is {spec.__name__}'s, not written again here")
+            if field is None and name not in given:
+                raise TypeError(f"{fn.__qualname__}: {name} has no default and {spec.__name__} has no such option")
+            if field is not None:
+                given[name] = field.default
+        fn.__kwdefaults__ = given
+        return fn
+    return stamp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,21 +112,11 @@ class Loss(Tokens):
 
     clip: Optional[HumanlineClip] = DEFAULT_CLIP
     name: ClassVar[str]
-    mode: ClassVar[int] = MODE_RATIO
+    mode: ClassVar[Terms] = Terms.RATIO
     Inputs: ClassVar[type] = NoInputs
     # whether the loss needs ref_logps (the sequence-level primitive takes None as a reference of 0; SimPO and SLiC
     # have none)
     needs_ref: ClassVar[bool] = True
-
-    @property
-    def terms(self) -> tuple:  # (a property, not functools.cached_property: that one locks on Python 3.11)
-        """The row kernel's scalars: ``(mode, clip_on, clip_lo, clip_hi, rho_lo, rho_hi, beta, inv_t,
-        ignore_index)``; ``rho_*`` and ``beta`` are GRPO's (PPO band and k3 weight), unused otherwise."""
-        c = self.clip
-        grpo = self.mode == MODE_GRPO
-        return (self.mode, c is not None, float(c.log_eps_p) if c else 0.0, float(c.log_eps_r) if c else 0.0,
-                1.0 - float(self.epsilon_low) if grpo else 0.8, 1.0 + float(self.epsilon_high) if grpo else 1.2,
-                float(self.beta) if grpo else 0.0, 1.0 / float(self.temperature), self.ignore_index)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,8 +226,20 @@ class GRPO(Loss):
     last_world_entropy: float = math.inf
     use_bias_correction_kl: bool = False
     name: ClassVar[str] = "grpo"
-    mode: ClassVar[int] = MODE_GRPO
+    mode: ClassVar[Terms] = Terms.GRPO
     Inputs: ClassVar[type] = GRPOInputs
+
+    @classmethod
+    def of(cls, *, normalizer, **options):
+        """``(params, tensor normalizer or None)``: a number normalizer travels in the params, a tensor as an input
+        (:class:`GRPOInputs`)."""
+        tensor = normalizer if isinstance(normalizer, Tensor) else None
+        return cls(normalizer=None if tensor is not None else normalizer, **options), tensor
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """How the GRPO finalize kernel aggregates this ``loss_type`` (one the kernels compute)."""
+        return GRPO_AGGREGATION[self.loss_type]
 
     @property
     def vespo(self) -> dict:

@@ -11,15 +11,15 @@ import math
 
 import torch
 
-from . import _objectives as O
+from . import _objectives
 from ._clip import HumanlineClip
-from .ops.constants import GRPO_AGGREGATION, GRPO_LOSS_TYPES
+from ._params import GRPO_AGGREGATION, GRPO_LOSS_TYPES
 
 LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LOGP_DTYPES = (torch.float32, torch.float64)
 
 
-def _shape(t: torch.Tensor) -> str:
+def shape_of(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
@@ -27,9 +27,9 @@ def check_tensor(name, t, *, ndim=None, dtypes=None, shape=None, device=None):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {_shape(t)}")
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {shape_of(t)}")
     if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {_shape(t)}")
+        raise ValueError(f"{name} must have shape {list(shape)}, got {shape_of(t)}")
     if dtypes is not None and t.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
@@ -165,13 +165,12 @@ def check_grpo(p, shape, like, inp):
     adv = check_tensor("advantages", inp.advantages, device=like.device)
     if tuple(adv.shape) not in ((shape[0],), tuple(shape)):
         raise ValueError(f"advantages must have shape [{shape[0]}] (one per sequence) or {list(shape)} (one per "
-                         f"token), got {_shape(adv)}")
+                         f"token), got {shape_of(adv)}")
     if not adv.is_floating_point():
         raise ValueError(f"advantages must be a floating-point tensor, got {adv.dtype}")
     if inp.kl_ref_logps is not None:
         check_tensor("kl_ref_logps", inp.kl_ref_logps, shape=shape, dtypes=(like.dtype,), device=like.device)
-    check_real("epsilon_low", p.epsilon_low, low=0.0, high=1.0)
-    check_real("epsilon_high", p.epsilon_high, low=0.0)
+    check_grpo_band(p.epsilon_low, p.epsilon_high)
     if p.loss_type not in GRPO_AGGREGATION:
         raise ValueError(f"loss_type must be one of {tuple(GRPO_AGGREGATION)}, got {p.loss_type!r}"
                          + (" (the kernels aggregate these; every TRL loss type runs from per-token log-probs, "
@@ -181,7 +180,17 @@ def check_grpo(p, shape, like, inp):
         _check_normalizer(norm, like.device)
     if norm is not None and p.loss_type not in ("dapo", "bnpo"):
         raise ValueError(f"normalizer applies to loss_type 'dapo' or 'bnpo' only, got loss_type={p.loss_type!r}")
-    m = p.max_completion_length
+    check_max_completion_length(p.max_completion_length)
+
+
+def check_grpo_band(epsilon_low, epsilon_high):
+    """GRPO's ratio band ``[1 - epsilon_low, 1 + epsilon_high]``, at every level."""
+    check_real("epsilon_low", epsilon_low, low=0.0, high=1.0)
+    check_real("epsilon_high", epsilon_high, low=0.0)
+
+
+def check_max_completion_length(m):
+    """"dr_grpo"'s fixed length: a positive int or None (the rows' width), at every level."""
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m <= 0):
         raise ValueError(f"max_completion_length must be a positive int or None, got {m!r}")
 
@@ -201,7 +210,7 @@ def check_label_range(labels, V, ignore_index):
         return f"; got {int(labels[tuple(idx)])} at index {idx}"
 
     device_check((((labels >= 0) & (labels < V)) | (labels == ignore_index)).all(),
-                  f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}", where)
+                 f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}", where)
 
 
 def device_check(ok, msg, detail=None):
@@ -230,7 +239,7 @@ def check_logits(logits, labels, p, validate, **flags):
     check_flags(validate=validate, **flags)
     check_tensor("logits", logits, dtypes=LOGITS_DTYPES)
     if logits.dim() < 2:
-        raise ValueError(f"logits must have shape [..., V] with at least 2 dimensions, got {_shape(logits)}")
+        raise ValueError(f"logits must have shape [..., V] with at least 2 dimensions, got {shape_of(logits)}")
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty last (vocabulary) dimension")
     if logits.stride(-1) != 1:
@@ -239,7 +248,7 @@ def check_logits(logits, labels, p, validate, **flags):
         )
     check_tensor("labels", labels, dtypes=(torch.int64,), device=logits.device)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without V), got {_shape(labels)}")
+        raise ValueError(f"labels must have shape {list(logits.shape[:-1])} (logits without V), got {shape_of(labels)}")
     check_tokens(p)
     if validate:
         check_label_range(labels, logits.shape[-1], p.ignore_index)
@@ -270,13 +279,13 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, **flags
     check_flags(validate=validate, **flags)
     check_tensor("hidden", hidden, dtypes=LOGITS_DTYPES)
     if hidden.dim() < 2:
-        raise ValueError(f"hidden must have shape [..., D] with at least 2 dimensions, got {_shape(hidden)}")
+        raise ValueError(f"hidden must have shape [..., D] with at least 2 dimensions, got {shape_of(hidden)}")
     D = hidden.shape[-1]
     if D == 0:
         raise ValueError("hidden must have a non-empty hidden dimension (shape [..., D] with D > 0)")
     check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
     if weight.shape[1] != D:
-        raise ValueError(f"weight must have shape [V, D] with D = hidden.shape[-1] = {D}, got {_shape(weight)}")
+        raise ValueError(f"weight must have shape [V, D] with D = hidden.shape[-1] = {D}, got {shape_of(weight)}")
     if weight.shape[0] == 0:
         raise ValueError("weight must have a non-empty vocabulary dimension (shape [V, D] with V > 0)")
     if bias is not None:
@@ -284,7 +293,7 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, **flags
     check_tensor("labels", labels, dtypes=(torch.int64,), device=hidden.device)
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels must have shape {list(hidden.shape[:-1])} (hidden without D), "
-                         f"got {_shape(labels)}")
+                         f"got {shape_of(labels)}")
     check_tokens(p)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
@@ -292,43 +301,18 @@ def check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, **flags
         check_label_range(labels, weight.shape[0], p.ignore_index)
 
 
-def check_packed(name, x, labels, ref_logps, packed, p=None, *, packed_name="packed"):
-    """A packed batch (:class:`~humanline_kernels.Packed`, given as ``packed_name``): ``x`` (``logits``, ``hidden``
-    or ``logps``; KTO's ``kl_logps``) is ``[N, ...]`` or ``[1, N, ...]`` with per-token tensors ``[N]`` / ``[1, N]``
-    (``labels`` is checked against ``x`` by the level's own check; ``ref_logps`` shaped like it, :func:`check_ref`
-    for the loss ``p``)."""
-    from ._layout import Packed
-    if not isinstance(packed, Packed):
-        raise ValueError(f"{packed_name} must be a humanline_kernels.Packed (cu_seqlens, max_seqlen), got "
-                         f"{type(packed).__name__}")
-    per_token = name.endswith("logps")
-    if not isinstance(x, torch.Tensor) or x.dim() not in ((1, 2) if per_token else (2, 3)) or (
-            x.dim() == (2 if per_token else 3) and x.shape[0] != 1):
-        want = "[N] or [1, N]" if per_token else "[N, V] or [1, N, V]" if name == "logits" else "[N, D] or [1, N, D]"
-        got = _shape(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-        raise ValueError(f"{name} must have shape {want} (a tensor) for a packed batch, got {got}")
-    if p is not None:
-        check_tensor("labels", labels, dtypes=(torch.int64,), device=x.device)
-        if tuple(labels.shape) != tuple(x.shape[:-1]):
-            raise ValueError(f"labels must have shape {list(x.shape[:-1])} ({name} without its last dimension), "
-                             f"got {_shape(labels)}")
-        check_ref(p, ref_logps, labels)
-    elif ref_logps is not None:
-        check_tensor("ref_logps", ref_logps, shape=labels.shape, dtypes=LOGP_DTYPES, device=labels.device)
-
-
 def check_supervised(labels, covered, ignore_index):
     """No label outside the ``supervised`` ranges: ``covered`` (the labels at the ranges' positions) holds every
     label of ``labels`` that is not ``ignore_index``. A device-side assert, as :func:`check_label_range`."""
     device_check((labels != ignore_index).sum() == (covered != ignore_index).sum(),
-                  "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)")
+                 "labels outside the supervised ranges must equal ignore_index (a range misses a labelled position)")
 
 
 def check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate):
     """:func:`check_linear` for a loss: ``hidden [B, T, D]``, ``ref_logps`` (:func:`check_ref`)."""
     check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
     if hidden.dim() != 3:
-        raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {_shape(hidden)}")
+        raise ValueError(f"hidden must have shape [B, T, D] for a loss, got {shape_of(hidden)}")
     check_ref(p, ref_logps, labels)
 
 
@@ -377,7 +361,7 @@ def check_dpo_options(logps, *, clip, beta, label_smoothing, loss_type, loss_wei
             check_real("loss_weights", w)
     if rpo_alpha is not None:
         check_real("rpo_alpha", rpo_alpha, low=0.0)
-    types, weights = O.mixture(loss_type, loss_weights, rpo_alpha)
+    types, weights = _objectives.mixture(loss_type, loss_weights, rpo_alpha)
     if clip is not None and "aot" in types:
         raise ValueError("loss_type 'aot' has no humanline form: it sorts the policy's and the reference's "
                          "chosen-minus-rejected sums separately, so no per-token log-ratio exists to clamp; "
@@ -423,7 +407,7 @@ def check_kto_options(*, loss_type, kl_estimate, has_kl_rows):
 def _check_normalizer(normalizer, device):
     if isinstance(normalizer, torch.Tensor):
         if normalizer.numel() != 1:
-            raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape {_shape(normalizer)}")
+            raise ValueError(f"normalizer must be a number or a 1-element tensor, got shape {shape_of(normalizer)}")
         if normalizer.device != device:
             raise ValueError(f"normalizer must be on device {device}, got {normalizer.device}")
     else:
@@ -441,9 +425,8 @@ def check_grpo_options(logps, advantages, *, clip, epsilon_low, epsilon_high, lo
     check_tensor("advantages", advantages, device=dev)
     if tuple(advantages.shape) not in ((B,), (B, T)) or not advantages.is_floating_point():
         raise ValueError(f"advantages must be a floating-point tensor of shape [{B}] or [{B}, {T}], got "
-                         f"{_shape(advantages)} {advantages.dtype}")
-    check_real("epsilon_low", epsilon_low, low=0.0, high=1.0)
-    check_real("epsilon_high", epsilon_high, low=0.0)
+                         f"{shape_of(advantages)} {advantages.dtype}")
+    check_grpo_band(epsilon_low, epsilon_high)
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
     if normalizer is not None:
@@ -451,10 +434,7 @@ def check_grpo_options(logps, advantages, *, clip, epsilon_low, epsilon_high, lo
         if loss_type not in GRPO_NORMALIZER_TYPES:
             raise ValueError(f"normalizer applies to loss_type in {GRPO_NORMALIZER_TYPES} only (the others fix "
                              f"their own denominator), got loss_type={loss_type!r}")
-    if max_completion_length is not None and (isinstance(max_completion_length, bool)
-                                              or not isinstance(max_completion_length, int)
-                                              or max_completion_length <= 0):
-        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
+    check_max_completion_length(max_completion_length)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be in {IMPORTANCE_SAMPLING_LEVELS}, "
                          f"got {importance_sampling_level!r}")
@@ -471,7 +451,7 @@ def check_grpo_options(logps, advantages, *, clip, epsilon_low, epsilon_high, lo
         check_tensor("importance_sampling_ratio", importance_sampling_ratio, dtypes=LOGP_DTYPES, device=dev)
         if tuple(importance_sampling_ratio.shape) not in ((B,), (B, 1), (B, T)):
             raise ValueError(f"importance_sampling_ratio must have shape [{B}], [{B}, 1] or [{B}, {T}], "
-                             f"got {_shape(importance_sampling_ratio)}")
+                             f"got {shape_of(importance_sampling_ratio)}")
         if loss_type == "vespo" and tuple(importance_sampling_ratio.shape) != (B, T):
             raise ValueError("loss_type 'vespo' folds a per-token importance_sampling_ratio [B, T] into its "
                              "sequence weight (TRL's token_* vLLM modes); a per-sequence ratio has no place in it")

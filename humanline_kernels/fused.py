@@ -5,14 +5,15 @@ used as is), ``labels [...]`` int64 with ``ignore_index`` marking tokens that do
 checks its arguments once, builds its loss's params object (:mod:`humanline_kernels._params`) and decides once
 (:func:`humanline_kernels.ops.use_kernels`): CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) go through
 the Triton kernels (see ``docs/kernels.md``); other CPU tensors, fp64 logits and fp64 reference log-probs through
-the eager path (chunked eager log-probs, :mod:`humanline_kernels.ops.logprobs.eager`, then
+the eager path (chunked eager log-probs, :mod:`humanline_kernels._eager`, then
 :func:`humanline_kernels.losses.compute`), which enters no custom op.
 
 Kernel path of the losses: one pass over the logits gives, per token, the log-prob, the humanline clamp, the
-loss term ``val`` and its derivative ``coef = d val / d logp`` (:mod:`humanline_kernels.ops.token_terms`). One more
-launch, the loss's finalize kernel (:mod:`humanline_kernels.ops.finalize`), does the ``[B, T]`` tail: per-sequence
-sums, the loss, the metrics and the row weights ``w = d loss / d val`` (tests pin both kernels and their eager twins
-to :mod:`humanline_kernels.reference`). The backward is one launch (:mod:`humanline_kernels.ops.logprobs`) that
+loss term ``val`` and its derivative ``coef = d val / d logp``, and, folded into the same launch for a dense batch
+(:mod:`humanline_kernels.ops.fold`), the ``[B, T]`` tail of the loss (:mod:`humanline_kernels.ops.dpo`,
+``.kto``, ``.grpo``): per-sequence sums, the loss, the metrics and the row weights ``w = d loss / d val`` (tests pin
+the kernels and their eager twins to :mod:`humanline_kernels.reference`). The backward is one launch
+(:mod:`humanline_kernels.ops.logprobs`) that
 recomputes the softmax from the saved per-row logsumexp:
 ``dlogits = grad_loss * w[b] * coef * (onehot - softmax) / temperature``.
 
@@ -26,15 +27,23 @@ from __future__ import annotations
 
 import torch
 
-from . import _layout as L
-from . import _objectives as O
-from . import _validation as V
-from . import losses, ops
-from ._clip import DEFAULT_CLIP
-from ._params import DPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
-from .ops import constants as C
-from .ops.constants import LOGP_PLANE, MODE_GRPO, named_metrics
-from .ops.logprobs import eager as logprobs_eager
+from . import _eager, _layout, _objectives, _validation, losses, ops
+from ._params import (
+    DPO,
+    GRPO,
+    IPO,
+    KTO,
+    DPOInputs,
+    GRPOInputs,
+    KTOInputs,
+    Sequence,
+    SimPO,
+    SLiC,
+    Tokens,
+    named_metrics,
+    options,
+)
+from .ops.constants import LOGP_PLANE, Terms
 
 __all__ = ["token_logprobs", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo", "slic"]
 
@@ -43,24 +52,20 @@ _KERNELS = None
 
 
 def _kernels():
-    """The kernel modules (they import Triton: only once a call has decided for the kernels; then held here, so a
-    call does not pay three imports)."""
+    """:mod:`.ops.kernels`, the launchers (importing it imports Triton: only once a call has decided for the kernels;
+    then held here, so a call does not pay the import)."""
     global _KERNELS
     if _KERNELS is None:
-        from .ops.finalize import folded
-        from .ops.finalize import kernel as finalize
-        from .ops.logprobs import kernel as logprobs
-        from .ops.token_terms import kernel as token_terms
-        _KERNELS = logprobs, token_terms, finalize, folded
+        from .ops import kernels
+        _KERNELS = kernels
     return _KERNELS
 
 
-def _folded(tokens, labels):
-    """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/finalize/folded.py):
-    when it is selected (``ops.constants.FOLD_FINALIZE``, the default; ``HK_FOLD_FINALIZE=0`` turns it off), for a
-    dense batch with tokens (a packed batch's token map keeps the separate finalize: its rows do not tile its
-    sequences)."""
-    return C.FOLD_FINALIZE and tokens is None and labels.numel() > 0
+def _one_launch(tokens, labels):
+    """Whether a loss's forward is one launch, the finalize folded into the row kernel (ops/fold.py): for
+    a dense batch with tokens. A packed batch's token map keeps the row kernel and a finalize launch after it (its
+    rows do not tile its sequences), as do the fused-linear chunks."""
+    return tokens is None and labels.numel() > 0
 
 
 def _as_3d(logits, labels):
@@ -78,13 +83,13 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, return_entropy, inplace, kernels, logits, labels):
-        LP = _kernels()[0] if kernels else logprobs_eager
+        LP = _kernels() if kernels else _eager
         l3, y3 = _as_3d(logits, labels)
         logp, lse, ent = LP.logprobs_fwd(l3, y3, p.temperature, p.ignore_index, return_entropy)
         ctx.save_for_backward(logits, labels, lse, ent)
         ctx.cfg = (p, inplace, LP)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
-        if labels.dim() == 2:  # already shaped like the labels (a view costs a microsecond a call)
+        if labels.dim() == 2:  # already shaped like the labels (a view is host work on every call)
             return logp, ent
         return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 
@@ -104,7 +109,7 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_ent = grad_ent.reshape(y3.shape)
         d = LP.logprobs_bwd(l3, y3, lse, g, p.temperature, p.ignore_index, out=l3 if inplace else None,
                             grad_entropy=grad_ent, entropy=ent)
-        if inplace and LP is logprobs_eager:  # (the kernel's launcher bumps it itself)
+        if inplace and LP is _eager:  # (the kernel's launcher bumps it itself)
             torch.autograd.graph.increment_version(logits)
         # in place, ``d`` is ``l3``: a view of ``logits``, or a copy when ``[..., T, V]`` could not be flattened
         # without one (then the gradient lives in the copy, not in ``logits``); handed back as a view, never as the
@@ -114,8 +119,9 @@ class _TokenLogprobs(torch.autograd.Function):
         return None, None, None, None, d, None
 
 
-def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return_entropy=False,
-                   inplace_backward=False, validate=True):
+@options(Tokens)
+def token_logprobs(logits, labels, *, temperature, ignore_index, return_entropy=False, inplace_backward=False,
+                   validate=True):
     """Per-token ``log_softmax(logits / temperature)[labels]`` in fp32, shaped like ``labels``, 0 where ignored.
 
     Differentiable with respect to ``logits``. With ``return_entropy=True`` returns ``(logps, entropy)``, the
@@ -125,7 +131,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     bumped). ``validate=False`` skips the label range check, the only check that synchronises with the device.
     """
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
-    V.check_logits(logits, labels, p, validate, return_entropy=return_entropy, inplace_backward=inplace_backward)
+    _validation.check_logits(logits, labels, p, validate, return_entropy=return_entropy,
+                             inplace_backward=inplace_backward)
     kernels = ops.use_kernels(logits)
     logp, ent = _TokenLogprobs.apply(p, return_entropy, inplace_backward, kernels, logits, labels)
     return (logp, ent) if return_entropy else logp
@@ -136,7 +143,7 @@ def _owed(ctx, p, at):
     autograd.Function's arguments from ``at`` on (the reference, then GRPO's inputs; KTO's KL rows get none, as in
     ``hk.reference``). None when none does: nothing more is kept for the backward then."""
     n = ctx.needs_input_grad
-    grpo = p.mode == MODE_GRPO
+    grpo = p.mode == Terms.GRPO
     owed = (n[at], grpo and n[at + 1], grpo and n[at + 2], grpo and n[at + 3])
     return owed if any(owed) else None
 
@@ -146,7 +153,7 @@ def _input_grads(p, owed, labels, aux, ref, inputs, loss, g, grad_loss):
     policy log-probs the row kernel wrote in ``aux``); ``g = d loss / d val`` per row ``[B, 1]`` (grad_output
     included). A tensor normalizer of "dapo" / "bnpo" divides the loss: ``d loss / d normalizer = -loss /
     normalizer``."""
-    inp = p.Inputs(*inputs) if p.mode == MODE_GRPO else None  # (only GRPO's inputs have gradients)
+    inp = p.Inputs(*inputs) if p.mode == Terms.GRPO else None  # (only GRPO's inputs have gradients)
     d = losses.input_grads(p, aux[LOGP_PLANE[p.mode]], ref, labels != p.ignore_index, inp, g, owed[:3])
     out = [None if x is None else x.to(t.dtype) for x, t in zip(d, (ref, *inputs))] + [None] * len(inputs)
     if owed[3]:
@@ -164,13 +171,13 @@ class _FusedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
-        _, TT, FIN, FOLD = _kernels()
+        impl = _kernels()
         inp = p.Inputs(*inputs)
-        if _folded(tokens, labels):
-            _val, coef, lse, aux, loss, met, w = FOLD.FUSED[p.name](logits, labels, ref, p, inp)
+        if _one_launch(tokens, labels):
+            _val, coef, lse, aux, loss, met, w = impl.ONE_LAUNCH[p.name](logits, labels, ref, p, inp)
         else:
-            val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, inp, segs=tokens)
-            loss, met, w = FIN.FINALIZE[p.name](val, aux, labels, p, inp)
+            val, coef, lse, aux = impl.token_terms(logits, labels, ref, p, inp, segs=tokens)
+            loss, met, w = impl.FINALIZE[p.name](val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(logits, labels, lse, coef, w, tokens, *((aux, ref, loss, *inputs) if owed else ()))
         ctx.cfg = (p, inplace, len(inputs), owed)
@@ -190,33 +197,32 @@ class _FusedLoss(torch.autograd.Function):
             more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
         d = None
         if ctx.needs_input_grad[3]:
-            d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                           out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
-                                           segs=tokens)
+            d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                        out=logits if inplace else None, row_weight=w, grad_loss=grad_loss,
+                                        segs=tokens)
         return (None, None, None, d, None) + more
 
 
 class _GrpoGradInForward(torch.autograd.Function):
     """GRPO loss whose logits gradient is written during the forward; backward only scales it by grad_output.
-    The row weights come first, from the labels (the finalize kernel without terms), except on the persistent grid
-    for the loss types whose rows share one weight (found in the kernel); the loss and metrics after (folded into
-    the row kernel, or a finalize launch on the previous path)."""
+    The row weights come first, from the labels (the finalize kernel without terms), except in one launch for the
+    loss types whose rows share one weight (found in the kernel); the loss and metrics after (folded into the row
+    kernel, or a finalize launch for a packed batch)."""
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, *inputs):
-        _, TT, FIN, FOLD = _kernels()
+        impl = _kernels()
         inp = p.Inputs(*inputs)
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        folded = _folded(tokens, labels)
-        persistent = folded and C.GIF_PERSISTENT
-        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not persistent else None
+        folded = _one_launch(tokens, labels)
+        w = impl.grpo_finalize(None, None, labels, p, inp)[2] if p.loss_type == "grpo" or not folded else None
         if folded:
-            _val, _coef, _lse, aux, loss, met, w = FOLD.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
-                                                                  grad_out=grad, persistent=persistent)
+            _val, _coef, _lse, aux, loss, met, w = impl.grpo_loss(logits, labels, ref, p, inp, row_weight=w,
+                                                                  grad_out=grad)
         else:
-            val, _coef, _lse, aux = TT.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
-                                                   segs=tokens)
-            loss, met, _w = FIN.grpo_finalize(val, aux, labels, p, inp)
+            val, _coef, _lse, aux = impl.token_terms(logits, labels, ref, p, inp, row_weight=w, grad_out=grad,
+                                                     segs=tokens)
+            loss, met, _w = impl.grpo_finalize(val, aux, labels, p, inp)
         owed = _owed(ctx, p, 5)
         ctx.save_for_backward(grad, *((labels, w, aux, ref, loss, *inputs) if owed else ()))
         ctx.cfg = (p, len(inputs), owed)
@@ -235,7 +241,7 @@ class _GrpoGradInForward(torch.autograd.Function):
             labels, w, aux, ref, loss, *inputs = side
             more = _input_grads(p, owed, labels, aux, ref, inputs, loss, (grad_loss * w)[:, None], grad_loss)
         # a device-side no-op when grad_loss == 1 (the usual case; no host sync to find out)
-        _kernels()[0].scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
+        _kernels().scale_rows_(grad if grad.dim() == 3 else grad.unsqueeze(0), grad_loss.to(torch.float32))
         return (None, None, None, grad, None) + more
 
 
@@ -247,9 +253,9 @@ class _Sequences(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, inplace, tokens, logits, labels, ref, token_weights):
-        _, TT, FIN, _ = _kernels()
-        val, coef, lse, aux = TT.token_terms(logits, labels, ref, p, segs=tokens)
-        s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
+        impl = _kernels()
+        val, coef, lse, aux = impl.token_terms(logits, labels, ref, p, segs=tokens)
+        s, pol, n, met = impl.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
         owed = _owed(ctx, p, 5)
@@ -274,8 +280,8 @@ class _Sequences(torch.autograd.Function):
         add = None if grad_pol is None else grad_pol.contiguous()
         d = None
         if ctx.needs_input_grad[3]:
-            d = _kernels()[0].logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
-                                           out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
+            d = _kernels().logprobs_bwd(logits, labels, lse, coef, p.temperature, p.ignore_index,
+                                        out=logits if inplace else None, row_weight=w, row_add=add, segs=tokens)
         return None, None, None, d, None, d_ref, None
 
 
@@ -285,7 +291,7 @@ def _kernel_rows(p, logits, labels, ref_logps, inplace, token_weights=None, toke
     if ref_logps is None:
         ref_logps = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     s, pol, n, met = _Sequences.apply(p, bool(inplace), tokens, logits, labels, ref_logps, token_weights)
-    return O.Rows(s, pol, n), named_metrics("sequence", met)
+    return _objectives.Rows(s, pol, n), named_metrics("sequence", met)
 
 
 def _distinct(*ts):
@@ -306,13 +312,13 @@ def _eager_logps(p, logits, labels, ref_logps, lay=None):
     if lay is None:
         logps = _TokenLogprobs.apply(p, False, False, False, logits, labels)[0]
     else:
-        logps = L.unpack(_TokenLogprobs.apply(p, False, False, False, logits, lay[1].reshape(-1))[0], lay[0], 0.0)
+        logps = _layout.unpack(_TokenLogprobs.apply(p, False, False, False, logits, lay[1].reshape(-1))[0], lay[0], 0.0)
     if ref_logps is not None:
         logps = logps.to(ref_logps.dtype)
     return logps, labels != p.ignore_index
 
 
-def _eager(p, logits, labels, ref_logps, inp, lay=None):
+def _eager_loss(p, logits, labels, ref_logps, inp, lay=None):
     """The eager path of a loss: eager differentiable log-probs, then the loss's math."""
     logps, mask = _eager_logps(p, logits, labels, ref_logps, lay)
     return losses.compute(p, logps, ref_logps, mask, inp)
@@ -324,29 +330,30 @@ def _logits_level(p, logits, labels, ref_logps, packed, validate, **flags):
     the per-token tensors moved to the padded rows ``[S, T]`` (:func:`._layout.unpack`), ``lay = (map, packed
     labels)``."""
     if packed is None:
-        V.check_logits_loss(logits, labels, ref_logps, p, validate, **flags)
+        _validation.check_logits_loss(logits, labels, ref_logps, p, validate, **flags)
         return logits, labels, ref_logps, None
-    V.check_packed("logits", logits, labels, ref_logps, packed, p)
-    V.check_logits(logits, labels, p, validate, **flags)
+    _layout.check_packed("logits", logits, labels, ref_logps, packed, p)
+    _validation.check_logits(logits, labels, p, validate, **flags)
     x = logits.reshape(-1, logits.shape[-1])
-    tm = L.packed_map(packed, x.shape[0], x.device, validate=validate)
-    ref = None if ref_logps is None else L.unpack(ref_logps, tm, 0.0)
-    return x, L.unpack(labels, tm, p.ignore_index), ref, (tm, labels)
+    tm = _layout.packed_map(packed, x.shape[0], x.device, validate=validate)
+    ref = None if ref_logps is None else _layout.unpack(ref_logps, tm, 0.0)
+    return x, _layout.unpack(labels, tm, p.ignore_index), ref, (tm, labels)
 
 
 def _per_token(t, lay, per_sequence=False):
     """A per-token input (``[N]`` of a packed batch, shaped like its labels) on the padded rows; others as given
     (``per_sequence``: advantages, whose ``[S]`` is one per sequence even when ``N == S``)."""
-    return t if lay is None else L.unpack_like(t, *lay, per_sequence)
+    return t if lay is None else _layout.unpack_like(t, *lay, per_sequence)
 
 
 def _tokens(lay):
     return None if lay is None else lay[0].plane
 
 
-def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None, temperature=1.0,
-         ignore_index=-100, validate=True, grad_in_forward=False, inplace_backward=False, packed=None):
+@options(GRPO)
+def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsilon_high, kl_ref_logps=None, loss_type,
+         normalizer, max_completion_length, temperature, ignore_index, validate=True, grad_in_forward=False,
+         inplace_backward=False, packed=None):
     """Humanline GRPO from ``logits [B, T, V]``; same keywords and result as :func:`humanline_kernels.losses.grpo`.
     ``packed`` (:class:`~humanline_kernels.Packed`): a padding-free batch, ``logits [N, V]`` (or ``[1, N, V]``)
     and per-token tensors ``[N]``, advantages ``[S]`` (one per sequence, also when ``N == S``) or ``[N]`` / ``[1, N]``
@@ -360,26 +367,26 @@ def grpo(logits, labels, ref_logps, advantages, *, clip=DEFAULT_CLIP, beta=0.0, 
     case). The gradient buffer is new (``inplace_backward=False``) or the logits themselves (``True``: the
     logits are overwritten already during the forward). Backward may then run only once for this loss.
     """
-    p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                                 loss_type=loss_type, normalizer=normalizer,
-                                 max_completion_length=max_completion_length, temperature=temperature,
-                                 ignore_index=ignore_index)
+    p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                      loss_type=loss_type, normalizer=normalizer,
+                      max_completion_length=max_completion_length, temperature=temperature,
+                      ignore_index=ignore_index)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    grad_in_forward=grad_in_forward, inplace_backward=inplace_backward)
     inp = GRPOInputs(_per_token(advantages, lay, True), _per_token(kl_ref_logps, lay), norm)
-    V.check_grpo(p, labels.shape, ref_logps, inp)
+    _validation.check_grpo(p, labels.shape, ref_logps, inp)
     if not ops.use_kernels(logits, ref_logps, kl_ref_logps):
-        return _eager(p, logits, labels, ref_logps, inp, lay)
+        return _eager_loss(p, logits, labels, ref_logps, inp, lay)
     gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
     fn = _GrpoGradInForward if gif else _FusedLoss
     loss, met = fn.apply(p, inplace_backward, _tokens(lay), logits, labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)
 
 
-def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
-        loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-        ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0, ignore_index=-100, validate=True,
-        inplace_backward=False, packed=None):
+@options(DPO)
+def dpo(logits, labels, ref_logps, *, clip, beta, label_smoothing, loss_type, loss_weights, rpo_alpha,
+        f_divergence_type, f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, temperature, ignore_index,
+        validate=True, inplace_backward=False, packed=None):
     """Humanline DPO from ``logits [2P, T, V]`` (or a packed batch of ``2P`` sequences, chosen first: ``packed``,
     as for :func:`grpo`); same keywords and result as :func:`humanline_kernels.losses.dpo`
     (WPO's ``use_weighting`` is refused: it needs each token's ``log sum p^2``). DPO and cDPO run in the DPO
@@ -389,27 +396,28 @@ def dpo(logits, labels, ref_logps, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothi
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
-    V.check_fused_dpo(p)
+    _validation.check_fused_dpo(p)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    inplace_backward=inplace_backward)
-    mixture = V.check_dpo(p, labels.shape[0], ref_logps)
-    V.check_fused_dpo(p, mixture[0])
+    mixture = _validation.check_dpo(p, labels.shape[0], ref_logps)
+    _validation.check_fused_dpo(p, mixture[0])
     if not ops.use_kernels(logits, ref_logps):
-        return _eager(p, logits, labels, ref_logps, DPOInputs(), lay)
+        return _eager_loss(p, logits, labels, ref_logps, DPOInputs(), lay)
     if p.fast:
         loss, met = _FusedLoss.apply(p, inplace_backward, _tokens(lay), logits, labels, ref_logps)
         return loss, named_metrics("dpo", met)
     mask = labels != ignore_index
-    tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha)
+    tw = None if ld_alpha is None else _objectives.ld_weights(mask, ld_alpha)
     rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, tw, _tokens(lay))
     if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
         rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
     return losses.from_rows(p, rows, metrics, mixture=mixture)
 
 
-def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip=DEFAULT_CLIP,
-        beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto", kl_estimate="halos", temperature=1.0,
-        ignore_index=-100, validate=True, inplace_backward=False, packed=None, kl_packed=None):
+@options(KTO)
+def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip, beta,
+        desirable_weight, undesirable_weight, loss_type, kl_estimate, temperature, ignore_index, validate=True,
+        inplace_backward=False, packed=None, kl_packed=None):
     """Humanline KTO from ``logits [B, T, V]``; the KL rows come as log-probs from a separate no-grad pass. Same
     keywords and result as :func:`humanline_kernels.losses.kto`. ``packed`` / ``kl_packed``: the batch / the KL
     rows packed (as for :func:`grpo`; the KL rows ``[N_kl]`` with boundaries of their own)."""
@@ -419,9 +427,9 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
                                                    inplace_backward=inplace_backward)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_kto(p, labels.shape[0], labels.device, inp)
+    _validation.check_kto(p, labels.shape[0], labels.device, inp)
     if not ops.use_kernels(logits, ref_logps, kl_logps, kl_ref_logps):
-        return _eager(p, logits, labels, ref_logps, inp, lay)
+        return _eager_loss(p, logits, labels, ref_logps, inp, lay)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
         rows = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
         return losses.from_rows(p, *rows, inp)
@@ -432,8 +440,9 @@ def kto(logits, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, 
     return loss, named_metrics("kto", met)
 
 
-def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False, temperature=1.0, ignore_index=-100,
-                       validate=True, inplace_backward=False, packed=None):
+@options(Sequence)
+def sequence_logratios(logits, labels, ref_logps, *, clip, normalize, temperature, ignore_index, validate=True,
+                       inplace_backward=False, packed=None):
     """The sequence-level primitive from ``logits [B, T, V]``: ``(s [B], policy_sums [B], metrics)``, as
     :func:`humanline_kernels.losses.sequence_logratios` (``ref_logps=None``: a reference of 0). Kernel path: the
     row kernel and one sums kernel forward, one launch backward, whatever loss is built on the sums. ``packed``:
@@ -441,7 +450,7 @@ def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False,
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    inplace_backward=inplace_backward)
-    V.check_sequence(p)
+    _validation.check_sequence(p)
     if ops.use_kernels(logits, ref_logps):
         rows, metrics = _kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay))
     else:
@@ -450,39 +459,42 @@ def sequence_logratios(logits, labels, ref_logps, *, clip=None, normalize=False,
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
-def ipo(logits, labels, ref_logps, *, clip=None, beta=0.1, temperature=1.0, ignore_index=-100, validate=True,
-        inplace_backward=False, packed=None):
+@options(IPO)
+def ipo(logits, labels, ref_logps, *, clip, beta, temperature, ignore_index, validate=True, inplace_backward=False,
+        packed=None):
     """Humanline IPO from ``logits [2P, T, V]`` (or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.ipo`."""
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
     logits, labels, ref_logps, lay = _logits_level(p, logits, labels, ref_logps, packed, validate,
                                                    inplace_backward=inplace_backward)
-    V.check_ipo(p, labels.shape[0])
+    _validation.check_ipo(p, labels.shape[0])
     if not ops.use_kernels(logits, ref_logps):
-        return _eager(p, logits, labels, ref_logps, None, lay)
+        return _eager_loss(p, logits, labels, ref_logps, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, ref_logps, inplace_backward, None, _tokens(lay)))
 
 
-def simpo(logits, labels, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0, ignore_index=-100,
-          validate=True, inplace_backward=False, packed=None):
+@options(SimPO)
+def simpo(logits, labels, *, clip, beta, gamma_beta_ratio, temperature, ignore_index, validate=True,
+          inplace_backward=False, packed=None):
     """Humanline SimPO from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.simpo`."""
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
     logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
-    V.check_simpo(p, labels.shape[0])
+    _validation.check_simpo(p, labels.shape[0])
     if not ops.use_kernels(logits):
-        return _eager(p, logits, labels, None, None, lay)
+        return _eager_loss(p, logits, labels, None, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))
 
 
-def slic(logits, labels, *, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0, ignore_index=-100, validate=True,
-         inplace_backward=False, packed=None):
+@options(SLiC)
+def slic(logits, labels, *, clip, beta, lambda_coef, temperature, ignore_index, validate=True, inplace_backward=False,
+         packed=None):
     """Humanline SLiC from ``logits [2P, T, V]`` (a reference of 0; or ``packed``, as for :func:`grpo`); as
     :func:`humanline_kernels.losses.slic`."""
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
     logits, labels, _, lay = _logits_level(p, logits, labels, None, packed, validate, inplace_backward=inplace_backward)
-    V.check_slic(p, labels.shape[0])
+    _validation.check_slic(p, labels.shape[0])
     if not ops.use_kernels(logits):
-        return _eager(p, logits, labels, None, None, lay)
+        return _eager_loss(p, logits, labels, None, None, lay)
     return losses.from_rows(p, *_kernel_rows(p, logits, labels, None, inplace_backward, None, _tokens(lay)))

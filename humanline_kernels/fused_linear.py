@@ -43,20 +43,25 @@ import math
 
 import torch
 
-from . import _layout as L
-from . import _objectives as O
-from . import _validation as V
-from . import losses, ops
-from ._clip import DEFAULT_CLIP
-from ._params import DPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens
+from . import _eager, _layout, _objectives, _validation, losses, ops
+from ._params import DPO, GRPO, IPO, KTO, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, Tokens, named_metrics, options
 from .fused import _distinct, _input_grads, _owed
-from .ops import linear as LC
-from .ops.constants import AUX_PLANES, named_metrics
+from .ops import linear
+from .ops.constants import AUX_PLANES
 
 __all__ = ["token_logprobs", "token_logprobs_nograd", "grpo", "dpo", "kto", "sequence_logratios", "ipo", "simpo",
            "slic", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 512 << 20  # logits buffer budget: 2048 tokens of a 128k vocabulary in bf16
+
+
+def _impl(kernels):
+    """The launchers (:mod:`.ops.kernels`: importing it imports Triton, only once a call has decided for the
+    kernels) or their eager twins (:mod:`._eager`), under the same names."""
+    if not kernels:
+        return _eager
+    from .ops import kernels as launchers
+    return launchers
 
 
 def _autocast(hidden, weight, bias):
@@ -81,14 +86,14 @@ def _need(hidden, weight, bias):
     return (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
 
 
-def _scaled(acc, go, dtype, LP):
+def _scaled(acc, go, dtype, launchers):
     """``acc * grad_output`` cast to ``dtype`` in one pass (no fp32 temporary), a new tensor; on the kernel path
-    (``LP``, the call's log-prob kernel module) one vectorised Triton pass (``torch.mul`` runs this at 30 % of the
-    bandwidth on CUDA: ``ops.logprobs.kernel.scaled``)."""
+    (``launchers``, :mod:`.ops.kernels`) one vectorised Triton pass (``torch.mul`` takes a non-vectorised
+    path for it on CUDA: ``ops.logprobs.scaled``)."""
     if acc is None:
         return None
-    if LP is not None:
-        return LP.scaled(acc, go, dtype)
+    if launchers is not None:
+        return launchers.scaled(acc, go, dtype)
     out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
     return torch.mul(acc, go, out=out)
 
@@ -130,20 +135,20 @@ def _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, valid
     ``[S, T]`` with the token map of a packed batch and / or of the supervised positions (:mod:`._layout`; ``pairs``:
     DPO's chunks of whole pairs, so the map lists row ``j`` then row ``P + j``)."""
     if packed is None:
-        V.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
+        _validation.check_linear_loss(hidden, weight, bias, labels, ref_logps, p, chunk_bytes, validate)
         if supervised is None:
             return labels, ref_logps, None
-        tm = L.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
+        tm = _layout.supervised_map(supervised, *labels.shape, hidden.device, pairs=pairs)
     else:
-        V.check_packed("hidden", hidden, labels, ref_logps, packed, p)
-        V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
+        _layout.check_packed("hidden", hidden, labels, ref_logps, packed, p)
+        _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate)
         N, dev = labels.numel(), hidden.device
-        tm = (L.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
-              L.supervised_map(supervised, 0, 0, dev, packed=packed, N=N, pairs=pairs))
-    y = L.unpack(labels, tm, p.ignore_index)
+        tm = (_layout.packed_map(packed, N, dev, pairs=pairs, host=True) if supervised is None else
+              _layout.supervised_map(supervised, 0, 0, dev, packed=packed, N=N, pairs=pairs))
+    y = _layout.unpack(labels, tm, p.ignore_index)
     if validate and supervised is not None:
-        V.check_supervised(labels, y, p.ignore_index)
-    return y, None if ref_logps is None else L.unpack(ref_logps, tm, 0.0), tm
+        _validation.check_supervised(labels, y, p.ignore_index)
+    return y, None if ref_logps is None else _layout.unpack(ref_logps, tm, 0.0), tm
 
 
 # ---------------------------------------------------------------------------------------------- token log-probs
@@ -153,21 +158,21 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, return_entropy, rows, kernels, tm, hidden, weight, bias, labels):
-        LP = LC.impl(kernels)[0]
+        impl = _impl(kernels)
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)  # tokens as one row: q = r
         f = dict(dtype=_acc(hidden), device=hidden.device)
         alloc = torch.empty if tm is None else torch.zeros  # (a map of the supervised tokens skips the others)
         logp, lse = alloc(y.shape, **f), alloc(y.shape, **f)
         ent = alloc(y.shape, **f) if return_entropy else None
-        chunks = LC.token_chunks(y.shape[1], rows) if tm is None else LC.map_chunks("tokens", tm, rows)
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        chunks = linear.token_chunks(y.shape[1], rows) if tm is None else linear.map_chunks("tokens", tm, rows)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for segs in chunks:
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
-            LP.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent),
-                            segs=LC.kernel_segs(segs))
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)
+            impl.logprobs_fwd(z, y, p.temperature, p.ignore_index, return_entropy, out=(logp, lse, ent),
+                              segs=linear.kernel_segs(segs))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
-        ctx.cfg = (p, chunks, LP, tm is not None)
+        ctx.cfg = (p, chunks, impl, tm is not None)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for an unused output
         return logp.view(labels.shape), None if ent is None else ent.view(labels.shape)
 
@@ -176,25 +181,26 @@ class _LinearLogprobs(torch.autograd.Function):
         if grad_logp is None and grad_ent is None:
             return (None,) * 9
         hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
-        p, chunks, LP, sparse = ctx.cfg
+        p, chunks, impl, sparse = ctx.cfg
         h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(1, -1)
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[5:8], sparse)
+        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[5:8], sparse)
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(y.shape).to(lse.dtype).contiguous()
         gh = None if grad_ent is None else grad_ent.reshape(y.shape)
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
-            LP.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=LC.kernel_segs(segs),
-                            grad_entropy=gh, entropy=ent)
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
-        buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (run 3's +0.5 GiB; no z: T = 0)
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
+            impl.logprobs_bwd(z, y, lse, g, p.temperature, p.ignore_index, out=z, segs=linear.kernel_segs(segs),
+                              grad_entropy=gh, entropy=ent)
+            linear.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+        buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (else they add to the peak)
         dh = None if dh is None else dh.view(hidden.shape)
         db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
         return None, None, None, None, None, dh, dw, db, None
 
 
-def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
+@options(Tokens)
+def token_logprobs(hidden, weight, labels, *, bias=None, temperature, ignore_index, return_entropy=False,
                    chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """fp32 ``log_softmax((hidden @ weight.T + bias) / temperature)[labels]`` shaped like ``labels``, 0 where ignored.
 
@@ -213,19 +219,19 @@ def token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = Tokens(temperature=temperature, ignore_index=ignore_index)
     if packed is not None:  # (the losses' order: the layout first, then the level's own checks)
-        V.check_packed("hidden", hidden, labels, None, packed)
-    V.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
+        _layout.check_packed("hidden", hidden, labels, None, packed)
+    _validation.check_linear(hidden, weight, bias, labels, p, chunk_bytes, validate, return_entropy=return_entropy)
     tm = None
     if supervised is not None:
         N = labels.numel()
         T = labels.shape[-1]  # (padded: the rows of labels [..., T])
         R = math.prod(labels.shape[:-1])  # (N // T, but also with T = 0)
-        tm = L.flat(L.supervised_map(supervised, R, T, hidden.device, packed=packed, N=N))
+        tm = _layout.flat(_layout.supervised_map(supervised, R, T, hidden.device, packed=packed, N=N))
         if validate:
-            V.check_supervised(labels, labels.reshape(-1).index_select(0, tm.plane), ignore_index)
+            _validation.check_supervised(labels, labels.reshape(-1).index_select(0, tm.plane), ignore_index)
     elif packed is not None:  # the stream's log-probs are its own whatever its sequences: boundaries checked only
-        L.check_bounds(packed, labels.numel(), validate=validate)
-    rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+        _layout.check_bounds(packed, labels.numel(), validate=validate)
+    rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
     logp, ent = _LinearLogprobs.apply(p, return_entropy, rows, ops.use_kernels(hidden), tm, hidden, weight,
                                       bias, labels)
     return (logp, ent) if return_entropy else logp
@@ -247,20 +253,20 @@ class _LinearSequences(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, rows, kernels, tm, hidden, weight, bias, labels, ref, token_weights):
-        _, TT, FIN = LC.impl(kernels)
+        impl = _impl(kernels)
         B, T = labels.shape
         h2 = hidden.reshape(-1, hidden.shape[-1])
         f = dict(dtype=_acc(hidden), device=hidden.device)
         out = _planes(p, B, T, f, tm, kernels)
         ref = torch.zeros((B, T), **f) if ref is None else ref.to(f["dtype"]).contiguous()
-        chunks = LC.token_chunks(B * T, rows) if tm is None else LC.map_chunks("sequence", tm, rows)
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        chunks = linear.token_chunks(B * T, rows) if tm is None else linear.map_chunks("sequence", tm, rows)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for segs in chunks:
-            TT.token_terms(LC.chunk_logits(buf, h2, wt, bias, segs, gbuf), labels, ref, p, out=out,
-                           segs=LC.kernel_segs(segs))
+            impl.token_terms(linear.chunk_logits(buf, h2, wt, bias, segs, gbuf), labels, ref, p, out=out,
+                             segs=linear.kernel_segs(segs))
         val, coef, lse, aux = out
-        s, pol, n, met = FIN.seq_finalize(val, aux, labels, p, token_weights)
+        s, pol, n, met = impl.seq_finalize(val, aux, labels, p, token_weights)
         if token_weights is not None:
             coef = coef * token_weights.to(coef.dtype)
         owed = _owed(ctx, p, 8)
@@ -276,9 +282,9 @@ class _LinearSequences(torch.autograd.Function):
             return (None,) * 10
         hidden, weight, bias, labels, lse, coef, *side = ctx.saved_tensors
         p, chunks, kernels, sparse, owed = ctx.cfg
-        LP = LC.impl(kernels)[0]
+        impl = _impl(kernels)
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
+        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, ctx.needs_input_grad[4:7], sparse)
         w = torch.zeros_like(lse[:, 0]) if grad_s is None else grad_s.to(lse.dtype).contiguous()
         d_ref = None
         if owed and grad_s is not None:  # the policy sums do not depend on the reference
@@ -288,13 +294,13 @@ class _LinearSequences(torch.autograd.Function):
         if not any(ctx.needs_input_grad[4:7]):
             return None, None, None, None, None, None, None, None, d_ref, None
         add = None if grad_pol is None else grad_pol.to(lse.dtype).contiguous()
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
-            LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
-                            segs=LC.kernel_segs(segs))
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)  # recomputed: dL/dz is formed in place of the logits
+            impl.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=w, row_add=add,
+                              segs=linear.kernel_segs(segs))
+            linear.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         buf = gbuf = z = None  # the chunk buffers go before anything else is allocated (no z without chunks)
         dh = None if dh is None else dh.view(hidden.shape)
         db = None if db is None else db.to(bias.dtype)  # (dW is in the weight's dtype already)
@@ -304,14 +310,15 @@ class _LinearSequences(torch.autograd.Function):
 def _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, token_weights=None, tm=None):
     """``(Rows, metrics)`` of the sequence-level primitive (``ref_logps=None``: a reference of 0; ``tm``: a token
     map, :mod:`._layout`)."""
-    rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+    rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
     s, pol, n, met = _LinearSequences.apply(p, rows, ops.use_kernels(hidden, ref_logps), tm, hidden, weight, bias,
                                             labels, ref_logps, token_weights)
-    return O.Rows(s, pol, n), named_metrics("sequence", met)
+    return _objectives.Rows(s, pol, n), named_metrics("sequence", met)
 
 
-def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=None, normalize=False, temperature=1.0,
-                       ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(Sequence)
+def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip, normalize, temperature, ignore_index,
+                       chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """The sequence-level primitive from ``hidden [B, T, D]`` and ``weight [V, D]``: ``(s [B], policy_sums [B],
     metrics)``, as :func:`humanline_kernels.losses.sequence_logratios`; the backward recomputes the lm_head GEMM
     chunk by chunk. ``supervised`` / ``packed``: as for :func:`grpo`."""
@@ -319,40 +326,43 @@ def sequence_logratios(hidden, weight, labels, ref_logps, *, bias=None, clip=Non
     p = Sequence(clip=clip, normalize=normalize, temperature=temperature, ignore_index=ignore_index)
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    V.check_sequence(p)
+    _validation.check_sequence(p)
     rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm)
     return (losses.mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
-def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip=None, beta=0.1, temperature=1.0, ignore_index=-100,
-        chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(IPO)
+def ipo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, temperature, ignore_index, chunk_bytes=CHUNK_BYTES,
+        validate=True, supervised=None, packed=None):
     """Humanline IPO from ``hidden [2P, T, D]``; as :func:`humanline_kernels.losses.ipo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = IPO(clip=clip, beta=beta, temperature=temperature, ignore_index=ignore_index)
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    V.check_ipo(p, labels.shape[0])
+    _validation.check_ipo(p, labels.shape[0])
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm))
 
 
-def simpo(hidden, weight, labels, *, bias=None, clip=None, beta=2.0, gamma_beta_ratio=0.25, temperature=1.0,
-          ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(SimPO)
+def simpo(hidden, weight, labels, *, bias=None, clip, beta, gamma_beta_ratio, temperature, ignore_index,
+          chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline SimPO from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.simpo`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio, temperature=temperature,
               ignore_index=ignore_index)
     labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
-    V.check_simpo(p, labels.shape[0])
+    _validation.check_simpo(p, labels.shape[0])
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
-def slic(hidden, weight, labels, *, bias=None, clip=None, beta=1.0, lambda_coef=0.1, temperature=1.0,
-         ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(SLiC)
+def slic(hidden, weight, labels, *, bias=None, clip, beta, lambda_coef, temperature, ignore_index,
+         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline SLiC from ``hidden [2P, T, D]`` (a reference of 0); as :func:`humanline_kernels.losses.slic`."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef, temperature=temperature, ignore_index=ignore_index)
     labels, _, tm = _linear_level(p, hidden, weight, bias, labels, None, chunk_bytes, validate, packed, supervised)
-    V.check_slic(p, labels.shape[0])
+    _validation.check_slic(p, labels.shape[0])
     return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, None, chunk_bytes, None, tm))
 
 
@@ -382,44 +392,44 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, chunk_bytes, kernels, need, tm, hidden, weight, bias, labels, ref, *inputs):
-        LP, TT, FIN = LC.impl(kernels)
+        impl = _impl(kernels)
         B, T = labels.shape
-        max_rows = LC.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
-        chunks = LC.loss_chunks(p.name, B, T, max_rows) if tm is None else LC.map_chunks(p.name, tm, max_rows)
+        max_rows = linear.max_rows_for(weight.shape[0], hidden.dtype, chunk_bytes)
+        chunks = linear.loss_chunks(p.name, B, T, max_rows) if tm is None else linear.map_chunks(p.name, tm, max_rows)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         grad, grpo = any(need), p.name == "grpo"
         f = dict(dtype=_acc(ref), device=hidden.device)
         out = _planes(p, B, T, f, tm, kernels)
         val, coef, lse, _ = out
-        dh, dw, db = LC.alloc_grads(h2, weight, bias, chunks, need, _sparse(tm, h2)) if grad else (None, None, None)
+        dh, dw, db = linear.alloc_grads(h2, weight, bias, chunks, need, _sparse(tm, h2)) if grad else (None, None, None)
         # the per-chunk launches read these whole-batch inputs as they are: cast and made contiguous once per call
         ref = ref.to(f["dtype"]).contiguous()
         inp = p.Inputs(*(None if t is None else (t.to(f["dtype"]) if t.is_floating_point() else t).contiguous()
                          for t in inputs))
-        finalize = FIN.FINALIZE[p.name]
-        w = FIN.grpo_finalize(None, None, labels, p, inp)[2] if grpo and grad else None
-        buf, wt = LC.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
-        gbuf = LC.gather_buffer(chunks, h2)
+        finalize = impl.FINALIZE[p.name]
+        w = impl.grpo_finalize(None, None, labels, p, inp)[2] if grpo and grad else None
+        buf, wt = linear.chunks_buffer(chunks, weight.shape[0], hidden.dtype, hidden.device), weight.t()
+        gbuf = linear.gather_buffer(chunks, h2)
         whole = len(chunks) == 1  # a DPO / KTO chunk's finalize is then the whole batch's
         done = None  # (loss, metrics, w) of a finalize over the whole batch
         for i, segs in enumerate(chunks):
-            z = LC.chunk_logits(buf, h2, wt, bias, segs, gbuf)
-            TT.token_terms(z, labels, ref, p, inp, out=out, segs=LC.kernel_segs(segs), row_weight=w,
-                           grad_out=z if grpo and grad else None)
+            z = linear.chunk_logits(buf, h2, wt, bias, segs, gbuf)
+            impl.token_terms(z, labels, ref, p, inp, out=out, segs=linear.kernel_segs(segs), row_weight=w,
+                             grad_out=z if grpo and grad else None)
             if not grad:
                 continue
             if not grpo:
-                res = finalize(val, out[3], labels, p, inp, None if whole else LC.span(p.name, segs, T))
+                res = finalize(val, out[3], labels, p, inp, None if whole else linear.span(p.name, segs, T))
                 if p.name == "kto" and inp.z0 is None:  # the baseline found once, by the first chunk's launch
                     inp = inp._replace(z0=res[1][0], kl_logps=None, kl_ref_logps=None, kl_mask=None)
                 done = res if whole else None
-                LP.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
-                                segs=LC.kernel_segs(segs))
-            LC.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
+                impl.logprobs_bwd(z, labels, lse, coef, p.temperature, p.ignore_index, out=z, row_weight=res[2],
+                                  segs=linear.kernel_segs(segs))
+            linear.grads(h2, weight, segs, z, dh, dw, db, first=i == 0, gbuf=gbuf)
         loss, met, w = done if done is not None else finalize(val, out[3], labels, p, inp)
         ctx.grads = (dh, dw, db)  # formed here; the inputs themselves are not kept
         ctx.meta = (hidden.shape, weight.dtype, None if bias is None else bias.dtype, len(inputs),
-                    LP if kernels else None)
+                    impl if kernels else None)
         # a reference (advantages, ...) that requires grad: what its gradient needs (the loss detached: an output
         # kept on ctx would be a reference cycle)
         owed = _owed(ctx, p, 9)
@@ -431,26 +441,26 @@ class _LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, go, _grad_met):
-        h_shape, _w_dtype, b_dtype, n, LP = ctx.meta
+        h_shape, _w_dtype, b_dtype, n, impl = ctx.meta
         if go is None:
             return (None,) * (10 + n)
         if ctx.grads is None:
             raise RuntimeError("Trying to backward through the fused-linear loss a second time: its dh and dW were "
                                "handed to the first backward. Pass retain_graph=True to the first one.")
         dh, dw, db = ctx.grads
-        # (dh times go by torch, as before issue 54: a 0-d go does not promote dh; 64 MiB at the bench's shape)
+        # (dh times go by torch: a 0-d go does not promote dh)
         if _graph_kept():  # a later backward reads them again: new tensors
             dh, dw = None if dh is None else dh * go, None if dw is None else dw.clone()
         else:  # handed over, scaled in place; with ctx's reference gone, autograd takes them as .grad without a copy
             ctx.grads = None
             dh = None if dh is None else dh.mul_(go)
         if dw is not None and dw.numel():  # dW *= go: on the kernel path one Triton pass, skipped on the device
-            if LP is not None:  # when go == 1 (no host sync); mul_ on the CPU scales bf16 by the fp32 go in fp32
-                LP.scale_rows_(dw.view(1, *dw.shape), go.to(torch.float32))
+            if impl is not None:  # when go == 1 (no host sync); mul_ on the CPU scales bf16 by the fp32 go in fp32
+                impl.scale_rows_(dw.view(1, *dw.shape), go.to(torch.float32))
             else:
                 dw.mul_(go)
         dh = None if dh is None else dh.view(h_shape)
-        db = _scaled(db, go, b_dtype, LP)
+        db = _scaled(db, go, b_dtype, impl)
         more = (None,) * (1 + n)
         if ctx.side is not None:
             p, owed, labels, aux, ref, inputs, loss, w, dtypes = ctx.side
@@ -459,9 +469,10 @@ class _LinearLoss(torch.autograd.Function):
         return (None,) * 5 + (dh, dw, db, None) + more
 
 
-def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2,
-         epsilon_high=0.2, kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None,
-         temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(GRPO)
+def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip, beta, epsilon_low, epsilon_high,
+         kl_ref_logps=None, loss_type, normalizer, max_completion_length, temperature, ignore_index,
+         chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline GRPO from ``hidden [B, T, D]`` and ``weight [V, D]``; keywords and result of
     :func:`humanline_kernels.losses.grpo` plus ``bias`` and ``chunk_bytes``. Chunks are token ranges.
 
@@ -473,25 +484,26 @@ def grpo(hidden, weight, labels, ref_logps, advantages, *, bias=None, clip=DEFAU
     one per sequence then); its boundaries are read on the host
     (pass ``cu_seqlens`` on the CPU). Both: docs/fused_linear.md, "Layouts"."""
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    p, norm = losses.grpo_params(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                                 loss_type=loss_type, normalizer=normalizer,
-                                 max_completion_length=max_completion_length, temperature=temperature,
-                                 ignore_index=ignore_index)
+    p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                      loss_type=loss_type, normalizer=normalizer,
+                      max_completion_length=max_completion_length, temperature=temperature,
+                      ignore_index=ignore_index)
     given = labels
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised)
-    inp = GRPOInputs(L.unpack_like(advantages, tm, given, True), L.unpack_like(kl_ref_logps, tm, given), norm)
-    V.check_grpo(p, labels.shape, ref_logps, inp)
+    inp = GRPOInputs(_layout.unpack_like(advantages, tm, given, True), _layout.unpack_like(kl_ref_logps, tm, given),
+                     norm)
+    _validation.check_grpo(p, labels.shape, ref_logps, inp)
     kernels = ops.use_kernels(hidden, ref_logps, kl_ref_logps)
     loss, met = _LinearLoss.apply(p, chunk_bytes, kernels, _need(hidden, weight, bias), tm, hidden, weight, bias,
                                   labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)
 
 
-def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0,
-        loss_type="sigmoid", loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl",
-        f_alpha_divergence_coef=0.5, ld_alpha=None, discopop_tau=0.05, use_weighting=False, temperature=1.0,
-        ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
+@options(DPO)
+def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip, beta, label_smoothing, loss_type, loss_weights,
+        rpo_alpha, f_divergence_type, f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, temperature,
+        ignore_index, chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None):
     """Humanline DPO from ``hidden [2P, T, D]`` (chosen rows first; ``supervised`` / ``packed`` as for
     :func:`grpo`, packed: ``2P`` sequences, chosen first); keywords and result of
     :func:`humanline_kernels.losses.dpo` plus ``bias`` and ``chunk_bytes`` (WPO refused, as at the logits level).
@@ -502,13 +514,13 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting, temperature=temperature,
             ignore_index=ignore_index)
-    V.check_fused_dpo(p)
+    _validation.check_fused_dpo(p)
     labels, ref_logps, tm = _linear_level(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, validate, packed,
                                           supervised, pairs=p.fast)
-    mixture = V.check_dpo(p, labels.shape[0], ref_logps)
-    V.check_fused_dpo(p, mixture[0])
+    mixture = _validation.check_dpo(p, labels.shape[0], ref_logps)
+    _validation.check_fused_dpo(p, mixture[0])
     if not p.fast:
-        tw = None if ld_alpha is None else O.ld_weights(labels != ignore_index, ld_alpha)
+        tw = None if ld_alpha is None else _objectives.ld_weights(labels != ignore_index, ld_alpha)
         rows, metrics = _rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, tw, tm)
         if "aot" in mixture[0]:  # clip is None and no LD weights here: the reference's sums are the policy's minus s
             rows = rows._replace(aot_policy=rows.policy, aot_reference=rows.policy - rows.s)
@@ -518,10 +530,10 @@ def dpo(hidden, weight, labels, ref_logps, *, bias=None, clip=DEFAULT_CLIP, beta
     return loss, named_metrics("dpo", met)
 
 
-def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
-        bias=None, clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
-        kl_estimate="halos", temperature=1.0, ignore_index=-100, chunk_bytes=CHUNK_BYTES, validate=True,
-        supervised=None, packed=None, kl_packed=None):
+@options(KTO)
+def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, bias=None,
+        clip, beta, desirable_weight, undesirable_weight, loss_type, kl_estimate, temperature, ignore_index,
+        chunk_bytes=CHUNK_BYTES, validate=True, supervised=None, packed=None, kl_packed=None):
     """Humanline KTO from ``hidden [B, T, D]``; the KL rows come as log-probs (``kl_logps``, ``kl_ref_logps``,
     ``kl_mask``) from a separate no-grad pass, e.g. :func:`token_logprobs_nograd`. Chunks hold whole rows. Same
     keywords and result as :func:`humanline_kernels.losses.kto`; ``supervised`` / ``packed`` as for :func:`grpo`,
@@ -533,7 +545,7 @@ def kto(hidden, weight, labels, ref_logps, desirable, kl_logps=None, kl_ref_logp
                                           supervised)
     kl_logps, kl_ref_logps, kl_mask = losses.kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_kto(p, labels.shape[0], labels.device, inp)
+    _validation.check_kto(p, labels.shape[0], labels.device, inp)
     if loss_type != "kto":  # apo_zero_unpaired: a function of the sums alone
         return losses.from_rows(p, *_rows(p, hidden, weight, bias, labels, ref_logps, chunk_bytes, None, tm), inp)
     if losses.distributed() or kl_estimate != "halos":  # z0 known before any chunk runs (all-reduced across ranks)

@@ -22,11 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _layout as L
-from . import _objectives as O
-from . import _validation as V
-from ._clip import DEFAULT_CLIP, clamp_band
-from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC
+from . import _layout, _objectives, _validation
+from ._clip import clamp_band
+from ._params import DPO, GRPO, IPO, KTO, DPOInputs, GRPOInputs, KTOInputs, Sequence, SimPO, SLiC, options
+from .ops.constants import Terms
 
 __all__ = ["dpo", "kto", "grpo", "ipo", "simpo", "slic", "sequence_logratios", "compute", "clip_log_ratio",
            "dpo_from_sums", "kto_from_sums", "kto_baseline", "kto_kl_baseline", "grpo_token_terms", "grpo_aggregate",
@@ -273,12 +272,11 @@ def input_grads(p, logps, ref_logps, mask, inp, g, needs):
     kl_ref_logps)``, each where ``needs`` asks for it (else None). ``val`` is the loss's masked per-token term, the
     clamped log-ratio or GRPO's term, from the functions the eager path runs, at the policy log-probs ``logps`` that
     the row kernel wrote; ``g = d loss / d val`` (``[B, 1]`` or ``[B, T]``). Small ``[B, T]`` tensors only."""
-    from .ops.constants import MODE_GRPO
     with torch.enable_grad():
         ref = ref_logps.detach().requires_grad_(needs[0])
         val = clip_log_ratio(logps, ref, mask, p.clip)[0]
         leaves = [ref]
-        if p.mode == MODE_GRPO:
+        if p.mode == Terms.GRPO:
             A = inp.advantages.detach().requires_grad_(needs[1])
             klr = ref if inp.kl_ref_logps is None else inp.kl_ref_logps.detach().requires_grad_(needs[2])
             val = grpo_token_terms(logps, val, klr, A, mask, beta=p.beta, epsilon_low=p.epsilon_low,
@@ -302,7 +300,7 @@ def sequence_rows(logps, ref_logps, mask, clip, token_weights=None):
     ref = torch.zeros_like(logps) if ref_logps is None else ref_logps
     clipped, n_in, n = clip_log_ratio(logps, ref, mask, clip)
     s = (clipped if token_weights is None else clipped * token_weights.to(logps.dtype)).sum(dim=1)
-    rows = O.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype))
+    rows = _objectives.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype))
     return rows, sequence_metrics(n_in, n)
 
 
@@ -315,16 +313,17 @@ def from_rows(p, rows, metrics, inp=None, mixture=None):
     """The objective ``p`` names from per-row sums (:class:`._objectives.Rows`, from any level's primitive):
     ``(loss, metrics)``. ``mixture``: DPO's checked ``(loss_types, weights)``; ``inp``: KTO's inputs."""
     if p.name == "ipo":
-        loss, m = O.ipo_from_sums(mean_sums(rows), beta=p.beta)
+        loss, m = _objectives.ipo_from_sums(mean_sums(rows), beta=p.beta)
     elif p.name == "simpo":
-        loss, m = O.simpo_from_sums(mean_sums(rows), beta=p.beta, gamma_beta_ratio=p.gamma_beta_ratio)
+        loss, m = _objectives.simpo_from_sums(mean_sums(rows), beta=p.beta, gamma_beta_ratio=p.gamma_beta_ratio)
     elif p.name == "slic":
-        loss, m = O.slic_from_sums(rows.s, rows.policy, beta=p.beta, lambda_coef=p.lambda_coef)
+        loss, m = _objectives.slic_from_sums(rows.s, rows.policy, beta=p.beta, lambda_coef=p.lambda_coef)
     elif p.name == "dpo":
         types, weights = mixture
-        loss, m = O.dpo_from_rows(rows, beta=p.beta, label_smoothing=p.label_smoothing, loss_types=types,
-                                  weights=weights, f_divergence_type=p.f_divergence_type,
-                                  f_alpha_divergence_coef=p.f_alpha_divergence_coef, discopop_tau=p.discopop_tau)
+        loss, m = _objectives.dpo_from_rows(rows, beta=p.beta, label_smoothing=p.label_smoothing, loss_types=types,
+                                            weights=weights, f_divergence_type=p.f_divergence_type,
+                                            f_alpha_divergence_coef=p.f_alpha_divergence_coef,
+                                            discopop_tau=p.discopop_tau)
     else:  # KTO apo_zero_unpaired: no baseline
         loss, m = kto_from_sums(rows.s, rows.s.new_zeros(()), inp.desirable, beta=p.beta,
                                 desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight,
@@ -337,7 +336,7 @@ def dpo_rows(logps, ref_logps, mask, clip, *, ld_alpha=None, aot=False, log_sum_
     (LD-DPO's token weights with ``ld_alpha``, returned too, else None), with ``aot`` the policy's and the
     reference's own sums (``clip`` must be None: "aot" sorts them apart), with ``log_sum_sq_probs`` WPO's detached
     pair weights ``exp(mean_t (log p - log sum_v p_v^2))``. The TRL trainer calls it too."""
-    tw = None if ld_alpha is None else O.ld_weights(mask, ld_alpha, logps.dtype)
+    tw = None if ld_alpha is None else _objectives.ld_weights(mask, ld_alpha, logps.dtype)
     rows, m = sequence_rows(logps, ref_logps, mask, clip, tw)
     if aot:
         rows = rows._replace(aot_policy=_weighted_sum(logps, mask, tw),
@@ -352,7 +351,7 @@ def dpo_rows(logps, ref_logps, mask, clip, *, ld_alpha=None, aot=False, log_sum_
 # ------------------------------------------------------------------ each loss given its checked params
 def _dpo(p, logps, ref_logps, mask, inp):
     if not p.fast:  # TRL's loss types and options: the sequence sums, then the batch math of _objectives
-        types, weights = O.mixture(p.loss_type, p.loss_weights, p.rpo_alpha)
+        types, weights = _objectives.mixture(p.loss_type, p.loss_weights, p.rpo_alpha)
         rows, m, _ = dpo_rows(logps, ref_logps, mask, p.clip, ld_alpha=p.ld_alpha, aot="aot" in types,
                               log_sum_sq_probs=inp.log_sum_sq_probs if p.use_weighting else None)
         return from_rows(p, rows, m, mixture=(types, weights))
@@ -467,15 +466,6 @@ def compute(p, logps, ref_logps, mask, inp):
     return _LOSSES[p.name](p, logps, ref_logps, mask, inp)
 
 
-def grpo_params(*, clip, beta, epsilon_low, epsilon_high, loss_type, normalizer, max_completion_length, **tokens):
-    """GRPO's params and the tensor normalizer (or None): a number travels in the params, a tensor as an input."""
-    tensor = normalizer if isinstance(normalizer, torch.Tensor) else None
-    p = GRPO(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
-             normalizer=None if tensor is not None else normalizer, max_completion_length=max_completion_length,
-             **tokens)
-    return p, tensor
-
-
 # ------------------------------------------------------------------ layouts: a packed batch on the padded rows
 def unpacked(packed, logps, *per_token, per_sequence=(), names=("packed", "logps")):
     """The per-token tensors of a packed batch (``[N]`` or ``[1, N]``, shaped like ``logps``; others, e.g. one
@@ -485,10 +475,10 @@ def unpacked(packed, logps, *per_token, per_sequence=(), names=("packed", "logps
     arguments ``packed`` and ``logps`` were given as, for the messages."""
     if packed is None:
         return (logps, *per_token)
-    V.check_packed(names[1], logps, logps, None, packed, packed_name=names[0])
-    tm = L.packed_map(packed, logps.numel(), logps.device, name=names[0])
-    return (L.unpack_like(logps, tm, logps),
-            *(L.unpack_like(t, tm, logps, i in per_sequence) for i, t in enumerate(per_token)))
+    _layout.check_packed(names[1], logps, logps, None, packed, packed_name=names[0])
+    tm = _layout.packed_map(packed, logps.numel(), logps.device, name=names[0])
+    return (_layout.unpack_like(logps, tm, logps),
+            *(_layout.unpack_like(t, tm, logps, i in per_sequence) for i, t in enumerate(per_token)))
 
 
 def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):
@@ -504,7 +494,8 @@ def kl_rows(kl_logps, kl_ref_logps, kl_mask, kl_packed):
 
 
 # ------------------------------------------------------------------ the public functions of this level
-def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False, packed=None):
+@options(Sequence)
+def sequence_logratios(logps, ref_logps, mask, *, clip, normalize, packed=None):
     """``(s [B], policy_sums [B], metrics)``: per-sequence sums of the clamped log-ratio (divided by the token count
     when ``normalize``) and of the policy's log-probs (never clamped); ``ref_logps=None`` is a reference of 0.
     Differentiable; see :func:`humanline_kernels.reference.sequence_logratios`. ``packed``
@@ -512,43 +503,46 @@ def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False, pa
     sequence (the same at every loss of this level)."""
     logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
     p = Sequence(clip=clip, normalize=normalize)
-    V.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
-    V.check_sequence(p)
+    _validation.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
+    _validation.check_sequence(p)
     rows, metrics = sequence_rows(logps, ref_logps, mask, clip)
     return (mean_sums(rows) if normalize else rows.s), rows.policy, metrics
 
 
-def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1, packed=None):
+@options(IPO)
+def ipo(logps, ref_logps, mask, *, clip, beta, packed=None):
     """Humanline IPO from ``[2P, T]`` log-probs (HALOs' IPO; TRL's "ipo"); see
     :func:`humanline_kernels.reference.ipo`."""
     logps, ref_logps, mask = unpacked(packed, logps, ref_logps, mask)
     p = IPO(clip=clip, beta=beta)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_ipo(p, logps.shape[0])
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_ipo(p, logps.shape[0])
     return _sequence_loss(p, logps, ref_logps, mask, None)
 
 
-def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25, packed=None):
+@options(SimPO)
+def simpo(logps, mask, *, clip, beta, gamma_beta_ratio, packed=None):
     """Humanline SimPO (a reference of 0); see :func:`humanline_kernels.reference.simpo`."""
     logps, _, mask = unpacked(packed, logps, None, mask)
     p = SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
-    V.check_logps(logps, logps, mask)
-    V.check_simpo(p, logps.shape[0])
+    _validation.check_logps(logps, logps, mask)
+    _validation.check_simpo(p, logps.shape[0])
     return _sequence_loss(p, logps, None, mask, None)
 
 
-def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1, packed=None):
+@options(SLiC)
+def slic(logps, mask, *, clip, beta, lambda_coef, packed=None):
     """Humanline SLiC (a reference of 0); see :func:`humanline_kernels.reference.slic`."""
     logps, _, mask = unpacked(packed, logps, None, mask)
     p = SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef)
-    V.check_logps(logps, logps, mask)
-    V.check_slic(p, logps.shape[0])
+    _validation.check_logps(logps, logps, mask)
+    _validation.check_slic(p, logps.shape[0])
     return _sequence_loss(p, logps, None, mask, None)
 
 
-def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
-        loss_weights=None, rpo_alpha=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-        ld_alpha=None, discopop_tau=0.05, use_weighting=False, log_sum_sq_probs=None, packed=None):
+@options(DPO)
+def dpo(logps, ref_logps, mask, *, clip, beta, label_smoothing, loss_type, loss_weights, rpo_alpha, f_divergence_type,
+        f_alpha_divergence_coef, ld_alpha, discopop_tau, use_weighting, log_sum_sq_probs=None, packed=None):
     """Humanline DPO from ``[2P, T]`` log-probs, TRL 1.16's loss types and options too; returns ``(loss,
     metrics)``. See :func:`humanline_kernels.reference.dpo`. ``packed``: ``2P`` packed sequences, chosen first."""
     logps, ref_logps, mask, log_sum_sq_probs = unpacked(packed, logps, ref_logps, mask, log_sum_sq_probs)
@@ -556,14 +550,14 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting)
     inp = DPOInputs(log_sum_sq_probs)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_dpo(p, logps.shape[0], logps, inp)
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_dpo(p, logps.shape[0], logps, inp)
     return _dpo(p, logps, ref_logps, mask, inp)
 
 
-def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *,
-        clip=DEFAULT_CLIP, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, loss_type="kto",
-        kl_estimate="halos", packed=None, kl_packed=None):
+@options(KTO)
+def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_mask=None, *, clip, beta,
+        desirable_weight, undesirable_weight, loss_type, kl_estimate, packed=None, kl_packed=None):
     """Humanline KTO; the KL rows (``kl_*``, optional) only set the detached baseline ``z0`` (``kl_estimate``:
     HALOs' or TRL's); ``loss_type="apo_zero_unpaired"`` has none. See :func:`humanline_kernels.reference.kto`.
     ``packed`` / ``kl_packed``: the rows / the KL rows come packed, each with boundaries of its own."""
@@ -572,18 +566,18 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
     p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
             loss_type=loss_type, kl_estimate=kl_estimate)
     inp = KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_kto(p, logps.shape[0], logps.device, inp)
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_kto(p, logps.shape[0], logps.device, inp)
     return _kto(p, logps, ref_logps, mask, inp)
 
 
-def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-         kl_ref_logps=None, loss_type="dapo", normalizer=None, max_completion_length=None,
-         importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-         vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, importance_sampling_ratio=None,
-         tool_mask=None, off_policy_mask_threshold=None, sampling_per_token_logps=None, top_entropy_quantile=1.0,
-         entropies=None, entropy_coef=0.0, use_adaptive_entropy=False, entropy_target=0.2,
-         last_world_entropy=math.inf, use_bias_correction_kl=False, entropy_mask=None, packed=None):
+@options(GRPO)
+def grpo(logps, ref_logps, advantages, mask, *, clip, beta, epsilon_low, epsilon_high, kl_ref_logps=None, loss_type,
+         normalizer, max_completion_length, importance_sampling_level, delta, sapo_temperature_pos,
+         sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
+         importance_sampling_ratio=None, tool_mask=None, off_policy_mask_threshold, sampling_per_token_logps=None,
+         top_entropy_quantile, entropies=None, entropy_coef, use_adaptive_entropy, entropy_target, last_world_entropy,
+         use_bias_correction_kl, entropy_mask=None, packed=None):
     r"""Humanline GRPO from ``[B, T]`` log-probs and ``advantages`` ``[B]`` or ``[B, T]``, with every option of TRL
     1.16's ``GRPOTrainer`` (the keywords and defaults of :func:`humanline_kernels.reference.grpo`, which documents
     each); returns ``(loss, metrics)``.
@@ -614,7 +608,7 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
      entropies, entropy_mask) = unpacked(packed, logps, ref_logps, mask, advantages, kl_ref_logps,
                                          importance_sampling_ratio, tool_mask, sampling_per_token_logps, entropies,
                                          entropy_mask, per_sequence=(2, 4))
-    p, norm = grpo_params(
+    p, norm = GRPO.of(
         clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
         normalizer=normalizer, max_completion_length=max_completion_length,
         importance_sampling_level=importance_sampling_level, delta=delta, sapo_temperature_pos=sapo_temperature_pos,
@@ -626,6 +620,6 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     inp = GRPOInputs(advantages, kl_ref_logps, norm, importance_sampling_ratio=importance_sampling_ratio,
                      tool_mask=tool_mask, sampling_per_token_logps=sampling_per_token_logps, entropies=entropies,
                      entropy_mask=entropy_mask)
-    V.check_logps(logps, ref_logps, mask)
-    V.check_grpo_losses(p, logps, inp)
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_grpo_losses(p, logps, inp)
     return _grpo(p, logps, ref_logps, mask, inp)

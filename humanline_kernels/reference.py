@@ -32,8 +32,7 @@ import math
 
 import torch
 
-from . import _objectives as O
-from . import _validation as V
+from . import _objectives, _validation
 from ._clip import DEFAULT_CLIP, HumanlineClip
 from ._params import DPO, IPO, KTO, DPOInputs, KTOInputs, SimPO, SLiC, Tokens
 
@@ -47,8 +46,8 @@ def token_logprobs(logits, labels, *, temperature=1.0, ignore_index=-100, return
     With ``return_entropy`` also returns the entropy of ``softmax(logits / temperature)``, 0 where ignored,
     differentiable (``dH/dz = -p (log p + H) / temperature``: an entropy bonus trains through it).
     """
-    V.check_logits(logits, labels, Tokens(temperature=temperature, ignore_index=ignore_index), validate,
-                   return_entropy=return_entropy)
+    _validation.check_logits(logits, labels, Tokens(temperature=temperature, ignore_index=ignore_index), validate,
+                             return_entropy=return_entropy)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     mask = labels != ignore_index
     logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
@@ -113,9 +112,9 @@ def sequence_logratios(logps, ref_logps, mask, *, clip=None, normalize=False):
     (masked tokens strictly inside the band / masked tokens; 1.0 without clipping or without tokens), ``n_tokens``
     (masked tokens) and ``n_unclipped`` (masked tokens strictly inside the band; all of them without clipping).
     """
-    V.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
-    V.check_clip(clip)
-    V.check_flag("normalize", normalize)
+    _validation.check_logps(logps, logps if ref_logps is None else ref_logps, mask)
+    _validation.check_clip(clip)
+    _validation.check_flag("normalize", normalize)
     if ref_logps is None:
         ref_logps = torch.zeros_like(logps)
     clipped, n_inside, n = _clip_counts(logps, ref_logps, mask, clip)
@@ -137,10 +136,10 @@ def ipo(logps, ref_logps, mask, *, clip=None, beta=0.1):
     agree unless a masked token's log-ratio is exactly 0. Rewards in the metrics are ``s̄`` (HALOs' IPO rewards,
     without ``beta``).
     """
-    V.check_logps(logps, ref_logps, mask)
-    V.check_ipo(IPO(clip=clip, beta=beta), logps.shape[0])
+    _validation.check_logps(logps, ref_logps, mask)
+    _validation.check_ipo(IPO(clip=clip, beta=beta), logps.shape[0])
     s, _, m = sequence_logratios(logps, ref_logps, mask, clip=clip, normalize=True)
-    loss, metrics = O.ipo_from_sums(s, beta=beta)
+    loss, metrics = _objectives.ipo_from_sums(s, beta=beta)
     return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
 
 
@@ -153,10 +152,10 @@ def simpo(logps, mask, *, clip=None, beta=2.0, gamma_beta_ratio=0.25):
     the metrics are ``s̄`` (HALOs' SimPO rewards, without ``beta``). The defaults are the package's; HALOs'
     ``config/loss/simpo.yaml`` has ``beta: 10.0``, ``gamma_beta_ratio: 0.3``.
     """
-    V.check_logps(logps, logps, mask)
-    V.check_simpo(SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio), logps.shape[0])
+    _validation.check_logps(logps, logps, mask)
+    _validation.check_simpo(SimPO(clip=clip, beta=beta, gamma_beta_ratio=gamma_beta_ratio), logps.shape[0])
     s, _, m = sequence_logratios(logps, None, mask, clip=clip, normalize=True)
-    loss, metrics = O.simpo_from_sums(s, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
+    loss, metrics = _objectives.simpo_from_sums(s, beta=beta, gamma_beta_ratio=gamma_beta_ratio)
     return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
 
 
@@ -169,10 +168,10 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
     calibration losses instead, which broadcasts only when ``T == P`` (or ``P == 1``) and then averages a token-level
     NLL. Rewards in the metrics are ``s`` (HALOs' SLiC rewards).
     """
-    V.check_logps(logps, logps, mask)
-    V.check_slic(SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef), logps.shape[0])
+    _validation.check_logps(logps, logps, mask)
+    _validation.check_slic(SLiC(clip=clip, beta=beta, lambda_coef=lambda_coef), logps.shape[0])
     s, policy_sums, m = sequence_logratios(logps, None, mask, clip=clip)
-    loss, metrics = O.slic_from_sums(s, policy_sums, beta=beta, lambda_coef=lambda_coef)
+    loss, metrics = _objectives.slic_from_sums(s, policy_sums, beta=beta, lambda_coef=lambda_coef)
     return loss, {"unclipped_frac": m["unclipped_frac"], **metrics}
 
 
@@ -183,7 +182,7 @@ def slic(logps, mask, *, clip=None, beta=1.0, lambda_coef=0.1):
 def _ld_sum(x, mask, ld_alpha):
     """Per-row sum of ``x`` over masked tokens, LD-DPO's tails weighted (:func:`_objectives.ld_weights`)."""
     x = torch.where(mask, x, 0.0)
-    return x.sum(dim=1) if ld_alpha is None else (x * O.ld_weights(mask, ld_alpha, x.dtype)).sum(dim=1)
+    return x.sum(dim=1) if ld_alpha is None else (x * _objectives.ld_weights(mask, ld_alpha, x.dtype)).sum(dim=1)
 
 
 def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=0.0, loss_type="sigmoid",
@@ -200,7 +199,7 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
     The other keywords follow TRL 1.16 ``DPOTrainer._compute_loss`` (and ``DPOConfig``'s names), each on the
     clamped sums wherever TRL uses ``chosen_logps - ref_chosen_logps``:
 
-    * ``loss_type``: one of ``V.DPO_LOSS_TYPES`` or a list of them, mixed as ``sum_k loss_weights[k] *
+    * ``loss_type``: one of ``_validation.DPO_LOSS_TYPES`` or a list of them, mixed as ``sum_k loss_weights[k] *
       mean_j loss_k`` (``loss_weights`` defaults to ones). "ipo" and "sigmoid_norm" divide each score by the row's
       masked-token count (TRL counts the unshifted ``completion_mask``, the same tokens when the prompt is not
       empty). "sft" is the mean NLL of the chosen tokens, policy only and unclamped (0 when there is none; TRL
@@ -212,8 +211,8 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
     * ``f_divergence_type`` / ``f_alpha_divergence_coef`` (TRL's default 0.5): the scores are ``f'(exp(s))``
       ("reverse_kl": ``s``; "forward_kl": ``1 - exp(-s)``; "js_divergence": ``log 2 + logsigmoid(s)``;
       "alpha_divergence": ``(exp(min((a - 1) s, 80)) - 1) / (a - 1)``), for the loss types in
-      ``V.F_DIVERGENCE_LOSS_TYPES`` only (TRL refuses the others); "nca_pair", "bco_pair", "sppo_hard", "apo_*"
-      read the log-ratio sums themselves.
+      ``_validation.F_DIVERGENCE_LOSS_TYPES`` only (TRL refuses the others); "nca_pair", "bco_pair", "sppo_hard",
+      "apo_*" read the log-ratio sums themselves.
     * ``ld_alpha`` (LD-DPO): in each pair, tokens past the shorter completion's length count ``ld_alpha`` times in
       ``s`` (and in the policy and reference sums that "aot" reads); the clamp applies per token first.
     * ``use_weighting`` (WPO): each pair's loss is multiplied by ``w_j w_{P+j}`` with
@@ -224,8 +223,8 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
     Metrics: ``unclipped_frac`` and the rewards ``beta * s`` of the chosen and rejected rows (means, margin,
     accuracy), as TRL logs them (``s`` LD-weighted when ``ld_alpha`` is set).
     """
-    V.check_logps(logps, ref_logps, mask)
-    loss_types, weights = V.check_dpo(
+    _validation.check_logps(logps, ref_logps, mask)
+    loss_types, weights = _validation.check_dpo(
         DPO(clip=clip, beta=beta, label_smoothing=label_smoothing, loss_type=loss_type, loss_weights=loss_weights,
             rpo_alpha=rpo_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
             ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting),
@@ -239,10 +238,12 @@ def dpo(logps, ref_logps, mask, *, clip=DEFAULT_CLIP, beta=0.1, label_smoothing=
         with torch.no_grad():
             count = mask.sum(dim=1).to(logps.dtype).clamp(min=1)
             wpo = torch.exp(torch.where(mask, logps - log_sum_sq_probs, 0.0).sum(dim=1) / count)
-    rows = O.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype), aot, aot_ref, wpo)
-    loss, metrics = O.dpo_from_rows(rows, beta=beta, label_smoothing=label_smoothing, loss_types=loss_types,
-                                    weights=weights, f_divergence_type=f_divergence_type,
-                                    f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau)
+    rows = _objectives.Rows(s, torch.where(mask, logps, 0.0).sum(dim=1), mask.sum(dim=1).to(logps.dtype), aot, aot_ref,
+                            wpo)
+    loss, metrics = _objectives.dpo_from_rows(rows, beta=beta, label_smoothing=label_smoothing, loss_types=loss_types,
+                                              weights=weights, f_divergence_type=f_divergence_type,
+                                              f_alpha_divergence_coef=f_alpha_divergence_coef,
+                                              discopop_tau=discopop_tau)
     return loss, {"unclipped_frac": _masked_ratio(n_inside, n).detach(), **metrics}
 
 
@@ -269,10 +270,10 @@ def kto(logps, ref_logps, mask, desirable, kl_logps=None, kl_ref_logps=None, kl_
     has no baseline: desirable rows give ``w_D (1 - sigmoid(beta s_i))``, undesirable ones
     ``w_U sigmoid(beta s_i)``; KL rows are refused. Humanline clamps every ``s`` (the KL rows' too).
     """
-    V.check_logps(logps, ref_logps, mask)
-    V.check_kto(KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
-                    loss_type=loss_type, kl_estimate=kl_estimate),
-                logps.shape[0], logps.device, KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask))
+    _validation.check_logps(logps, ref_logps, mask)
+    p = KTO(clip=clip, beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+            loss_type=loss_type, kl_estimate=kl_estimate)
+    _validation.check_kto(p, logps.shape[0], logps.device, KTOInputs(desirable, kl_logps, kl_ref_logps, kl_mask))
     clipped, unclipped_frac = _clipped_log_ratio(logps, ref_logps, mask, clip)
     s = clipped.sum(dim=1)
     with torch.no_grad():
@@ -414,13 +415,13 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
     ``entropy`` (mean over masked tokens), ``entropy_sum``/``entropy_tokens``; with the entropy bonus:
     ``policy_loss`` (the loss before it); for "vespo": ``vespo_phi_mean``.
     """
-    V.check_logps(logps, ref_logps, mask)
+    _validation.check_logps(logps, ref_logps, mask)
     B, T = logps.shape
-    V.check_clip(clip)
-    V.check_real("beta", beta, low=0.0)
+    _validation.check_clip(clip)
+    _validation.check_real("beta", beta, low=0.0)
     vespo = {"vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
              "vespo_lambda_neg": vespo_lambda_neg}
-    V.check_grpo_options(
+    _validation.check_grpo_options(
         logps, advantages, clip=clip, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
         normalizer=normalizer, max_completion_length=max_completion_length,
         importance_sampling_level=importance_sampling_level, delta=delta, sapo_temperature_pos=sapo_temperature_pos,
@@ -431,7 +432,8 @@ def grpo(logps, ref_logps, advantages, mask, *, clip=DEFAULT_CLIP, beta=0.0, eps
         entropy_target=entropy_target, last_world_entropy=last_world_entropy,
         use_bias_correction_kl=use_bias_correction_kl)
     if kl_ref_logps is not None:
-        V.check_tensor("kl_ref_logps", kl_ref_logps, shape=logps.shape, dtypes=(logps.dtype,), device=logps.device)
+        _validation.check_tensor("kl_ref_logps", kl_ref_logps, shape=logps.shape, dtypes=(logps.dtype,),
+                                 device=logps.device)
     if tool_mask is not None:
         mask = mask & (tool_mask != 0)
     dtype = logps.dtype
@@ -528,7 +530,7 @@ def adaptive_entropy_coef(entropy_coef, world_entropy, *, entropy_target=0.2, en
     for name, v in (("entropy_coef", entropy_coef), ("world_entropy", world_entropy),
                     ("entropy_target", entropy_target), ("entropy_coef_delta", entropy_coef_delta),
                     ("entropy_coef_min", entropy_coef_min), ("entropy_coef_max", entropy_coef_max)):
-        V.check_real(name, v)
+        _validation.check_real(name, v)
     if world_entropy <= entropy_target:
         return min(entropy_coef + entropy_coef_delta, entropy_coef_max)
     return max(entropy_coef - entropy_coef_delta, entropy_coef_min)
@@ -546,17 +548,17 @@ def vllm_importance_sampling_ratio(old_logps, sampling_logps, mask, *, vllm_impo
     ``rho`` outside that range to 0 (a missing bound is open). Humanline does not touch it: it corrects the
     sampler's mismatch, not the policy's drift from the reference.
     """
-    V.check_tensor("old_logps", old_logps, ndim=2, dtypes=V.LOGP_DTYPES)
-    V.check_tensor("sampling_logps", sampling_logps, shape=old_logps.shape, dtypes=(old_logps.dtype,),
-                   device=old_logps.device)
-    V.check_tensor("mask", mask, shape=old_logps.shape, dtypes=(torch.bool,), device=old_logps.device)
-    if vllm_importance_sampling_mode not in V.VLLM_IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be in {V.VLLM_IS_MODES}, "
+    _validation.check_tensor("old_logps", old_logps, ndim=2, dtypes=_validation.LOGP_DTYPES)
+    _validation.check_tensor("sampling_logps", sampling_logps, shape=old_logps.shape, dtypes=(old_logps.dtype,),
+                             device=old_logps.device)
+    _validation.check_tensor("mask", mask, shape=old_logps.shape, dtypes=(torch.bool,), device=old_logps.device)
+    if vllm_importance_sampling_mode not in _validation.VLLM_IS_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be in {_validation.VLLM_IS_MODES}, "
                          f"got {vllm_importance_sampling_mode!r}")
     lo, hi = vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max
     for name, v in (("vllm_importance_sampling_clip_min", lo), ("vllm_importance_sampling_clip_max", hi)):
         if v is not None:
-            V.check_real(name, v, low=0.0)
+            _validation.check_real(name, v, low=0.0)
     if lo is not None and hi is not None and lo >= hi:
         raise ValueError(f"vllm_importance_sampling_clip_min ({lo}) must be < vllm_importance_sampling_clip_max ({hi})")
     truncate = vllm_importance_sampling_mode.endswith("_truncate")

@@ -15,12 +15,15 @@ chunks). Each compiled variant is then checked in the ``ptxas -v`` log of Triton
 frame) and in its PTX (no local memory; 16-byte global loads in aligned variants, except the finalize kernels, which
 stream no row).
 
-Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...]}``.
+Prints one JSON object: ``{"arch", "variants": [...], "failures": [...], "kernels": [...], "digests": {...}}``; each
+variant and each case's kernels carry a digest of their PTX (:func:`ptx_digest`), so two runs show whether a change
+left the compiled programs as they were.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import itertools
 import json
@@ -52,9 +55,9 @@ SHAPES = {  # name -> (logits shape allocated, slice of T or None, 16-byte align
     "one row": ((1, 8, 32000), None, True),  # the finalize kernels' 1 x 4 block_t tiles (see below)
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# GRPO's gradient in the forward in the folded kernel (its GRAD modes 0-3, the gradient new or over the logits)
-GIF_VARIANTS = ("none", "rows new", "rows inplace", "persistent rows new", "persistent shared new",
-                "persistent shared inplace")
+# GRPO's gradient in the forward in the folded kernel (its GRAD modes: none, on the persistent grid with each row's
+# weight or the shared one; the gradient new or over the logits)
+GIF_VARIANTS = ("none", "persistent rows new", "persistent shared new", "persistent shared inplace")
 
 
 # the compiler options a launch of ours states instead of leaving them to Triton's defaults
@@ -94,9 +97,10 @@ def _cases():
     """``(name, aligned, call)``: each call drives the real launch wrappers once."""
     from humanline_kernels import HumanlineClip
     from humanline_kernels import _params as P
-    from humanline_kernels.ops.finalize import kernel as FK
-    from humanline_kernels.ops.logprobs import kernel as LPK
-    from humanline_kernels.ops.token_terms import kernel as TK
+    from humanline_kernels.ops import kernels as FK
+    from humanline_kernels.ops import logprobs as LPK
+    from humanline_kernels.ops import token_terms as TK
+    from humanline_kernels.ops.constants import Terms
 
     clip = HumanlineClip(-1.5, 1.5)
 
@@ -114,7 +118,7 @@ def _cases():
     def terms(shape_name, dtype, mode, use_clip, kl_ref, grad, adv_per_token=False):
         x, y, f, adv, _ = tensors(shape_name, dtype)
         c = clip if use_clip else None
-        if mode == P.MODE_GRPO:
+        if mode == Terms.GRPO:
             p = P.GRPO(clip=c, beta=0.04, temperature=0.7)
             inp = P.GRPOInputs(f if adv_per_token else adv, f if kl_ref else None)
             kw = {}
@@ -247,22 +251,21 @@ def _cases():
         hk.fused.sequence_logratios(x, y, f, clip=None, validate=False)
 
     def fold(shape_name, dtype, kind, variant, use_clip=True, kl_ref=False):
-        # a fused loss's forward in one launch, the finalize folded into the row kernel (ops/finalize/folded.py);
-        # GRPO's gradient in the forward on the grid of a program a row ("rows") or the persistent one, with each
-        # row's weight or the shared one ("shared"), into a new buffer or over the logits ("inplace")
-        from humanline_kernels.ops.finalize import folded as FOLD
+        # a fused loss's forward in one launch, the finalize folded into the row kernel (ops/fold.py);
+        # GRPO's gradient in the forward on the persistent grid, with each row's weight ("rows") or the shared one
+        # ("shared"), into a new buffer or over the logits ("inplace")
         x, y, f, adv, _ = tensors(shape_name, dtype)
         c = clip if use_clip else None
         if kind == "dpo":
-            FOLD.dpo_loss(x, y, f, P.DPO(clip=c, temperature=0.7))
+            FK.dpo_loss(x, y, f, P.DPO(clip=c, temperature=0.7))
         elif kind == "kto":
             inp = kto_inputs(f, adv, variant)
-            FOLD.kto_loss(x, y, f, P.KTO(clip=c), inp)
+            FK.kto_loss(x, y, f, P.KTO(clip=c), inp)
         else:
             grad = None if variant == "none" else x if variant.endswith("inplace") else torch.empty_like(x)
             p = P.GRPO(clip=c, beta=0.04, temperature=0.7)
-            FOLD.grpo_loss(x, y, f, p, P.GRPOInputs(adv, f if kl_ref else None), grad_out=grad,
-                           row_weight=None if "shared" in variant else adv, persistent=variant.startswith("persistent"))
+            FK.grpo_loss(x, y, f, p, P.GRPOInputs(adv, f if kl_ref else None), grad_out=grad,
+                           row_weight=None if "shared" in variant else adv)
 
     def scale(shape_name, dtype):
         x, *_ = tensors(shape_name, dtype)
@@ -326,7 +329,7 @@ def _cases():
             # and the fold's variants are the gate's most expensive compiles)
             cases += [(f"fold {kind} {variant} {dn} {sn}", aligned, lambda dt=dt, s=sn, k=kind, v=variant:
                        fold(s, dt, k, v)) for kind, variant in (("dpo", ""), ("kto", "kl_rows"), ("grpo", "none"),
-                                                                ("grpo", "rows new"), ("grpo", "persistent shared new"),
+                                                                ("grpo", "persistent shared new"),
                                                                 ("grpo", "persistent rows inplace"))
                       if dn != "fp16"]
             if dn == "bf16":  # the loss backward is the bwd kernel plus three scalar loads: one dtype suffices
@@ -367,12 +370,12 @@ def _cases():
         return {
             "fwd": (lambda: fwd("aligned", dt, False), lambda: fwd("aligned", dt, True)),
             "terms": (lambda: terms("aligned", dt, 1, True, False, None),
-                      lambda: terms("aligned", dt, P.MODE_GRPO, True, True, "new"),
+                      lambda: terms("aligned", dt, Terms.GRPO, True, True, "new"),
                       lambda: fold("aligned", dt, "dpo", ""), lambda: fold("aligned", dt, "kto", "kl_rows"),
-                      lambda: fold("aligned", dt, "grpo", "none"), lambda: fold("aligned", dt, "grpo", "rows new")),
+                      lambda: fold("aligned", dt, "grpo", "none")),
             "bwd": (lambda: bwd("aligned", dt, False), lambda: bwd("aligned", dt, True, True),
                     lambda: loss_bwd("aligned", dt, False), lambda: scale("aligned", dt)),
-            "gif": tuple(lambda v=v: fold("aligned", dt, "grpo", v, True, True) for v in GIF_VARIANTS[3:]),
+            "gif": tuple(lambda v=v: fold("aligned", dt, "grpo", v, True, True) for v in GIF_VARIANTS[1:]),
         }[family]
     for family, dn, block, warps in tuning.entries():
         for i in range(len(tuned_calls(family, None))):
@@ -400,19 +403,19 @@ def _int_class(v):
 def _launch_rules():
     """Launch parameters a launcher derives from a kernel's switches: a derived combination gets them by the
     launcher's own rule (kernel name -> kwargs -> kwargs), not the recorded launch's."""
-    from humanline_kernels.ops.finalize import folded as FOLD
+    from humanline_kernels.ops import fold, grpo
 
     def grpo_fold(kw):  # the persistent grid (GRAD 2, 3) has its own block, warps and register budget, and the
         x = kw["x_ptr"]  # tail's tiles follow the warps
-        block, warps = FOLD.grpo_config(x, kw["GRAD"])
-        _tile, bb, bt = FOLD.fold_config(x, kw["B"], warps)
+        block, warps = grpo.grpo_config(x, kw["GRAD"])
+        _tile, bb, bt = fold.fold_config(x, kw["B"], warps)
         kw = {k: v for k, v in kw.items() if k != "maxnreg"}
         return dict(kw, BLOCK_V=block, BLOCK_B=bb, BLOCK_T=bt, num_warps=warps,
-                    **FOLD._register_budget(x, warps, kw["GRAD"]))
+                    **grpo.grpo_register_budget(x, warps, kw["GRAD"]))
     return {"_grpo_loss_kernel": grpo_fold}
 
 
-# fewer bases for the folded kernels (ops/finalize/folded.py): each compile is a row kernel and a loss tail, and their
+# fewer bases for the folded kernels (ops/fold.py): each compile is a row kernel and a loss tail, and their
 # listed cases already cover every switch combination at the aligned shape in each dtype
 _MAX_BASES = {"_grpo_loss_kernel": 3, "_dpo_loss_kernel": 3, "_kto_loss_kernel": 3}
 
@@ -421,7 +424,7 @@ def derived_variants(launches, max_bases):
     """Every combination of each kernel's switches, derived from the kernel and its recorded launches, not from a
     list: the constexpr parameters that take booleans or small values (not the ``BLOCK_*`` sizes) and the runtime
     integers the kernel specialises that only ever carry small values (enums and flags: Triton compiles a value of
-    1 as a constant, so ``loss_type=1`` and ``loss_type=0`` are different programs). Each kernel's combinations are
+    1 as a constant, so ``aggregation=1`` and ``aggregation=0`` are different programs). Each kernel's combinations are
     applied to up to ``max_bases`` of its recorded launches with distinct pointer dtypes and integer classes.
     ``launches``: ``[(kernel, kwargs, grid, aligned)]``; returns ``[(name, kernel, kwargs, grid, aligned)]``."""
     by_kernel = {}
@@ -508,6 +511,25 @@ def _resources(kernel, arch):
     return (int(_REGS.search(text).group(1)), *(int(g) for g in _FRAME.search(text).groups()))
 
 
+_DEBUG_LABEL = re.compile(r"\$L__(?:tmp|func_begin|func_end)\d+:")
+
+
+def ptx_digest(ptx, name):
+    """SHA-256 of the PTX less what does not reach the GPU: the debug sections and line records (``.file``,
+    ``.loc``, their labels), comments, and the kernel's own name. Equal digests are the same program, wherever its
+    source lives and whatever its functions are called, so a refactor can show that it left the kernels as they
+    were."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    lines = []
+    for line in code.splitlines():
+        line = line.split("//", 1)[0].rstrip()
+        word = line.strip()
+        if not word or word.startswith((".loc", ".file")) or _DEBUG_LABEL.fullmatch(word):
+            continue
+        lines.append(line)
+    return hashlib.sha256(re.sub(rf"\b{re.escape(name)}\b", "KERNEL", "\n".join(lines)).encode()).hexdigest()[:16]
+
+
 def _vector_loads(ptx):
     """16-byte global loads (``ld.global...v4.b32`` / ``.v4.f32`` / ``.v2.b64``) in the PTX."""
     return len(re.findall(r"ld\.global[.:\w]*\.v(?:4\.(?:b|f|u)32|2\.(?:b|f|u)64)", ptx))  # (hints: L2::...)
@@ -565,6 +587,10 @@ def main(argv=None):
         out = _compile(name, lambda k=kernel, kw=kwargs, g=grid: k[g](**kw), compiled, failures)
         results += [(name, aligned, kname, k) for kname, k in out]
     variants, seen = [], set()
+    # every case's compiled kernels by PTX digest, repeats included (what a refactor compares, case by case)
+    digests = {}
+    for name, _aligned, kname, kernel in results:
+        digests.setdefault(name, []).append([kname, ptx_digest(kernel.asm["ptx"], kernel.name)])
     for name, aligned, kname, kernel in results:
         ptx = kernel.asm["ptx"]
         key = (kname, hash(ptx))
@@ -573,8 +599,9 @@ def main(argv=None):
         seen.add(key)
         regs, stack, spill_st, spill_ld = _resources(kernel, a.arch)
         # the finalize kernels (one program over small [B, T] tensors) stream no row: no 16-byte load rule
-        v = {"case": name, "kernel": kname, "registers": regs, "stack": stack, "spill_stores": spill_st,
-             "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx, "vector_loads": _vector_loads(ptx),
+        v = {"case": name, "kernel": kname, "ptx_digest": ptx_digest(ptx, kernel.name), "registers": regs,
+             "stack": stack, "spill_stores": spill_st, "spill_loads": spill_ld, "local_in_ptx": ".local" in ptx,
+             "vector_loads": _vector_loads(ptx),
              "aligned": aligned and not kname.endswith("_finalize_kernel")}
         variants.append(v)
         problems = []
@@ -586,7 +613,7 @@ def main(argv=None):
         if problems:
             failures.append({"case": name, "kernel": kname, "error": "; ".join(problems), "resources": v})
     print(json.dumps({"arch": a.arch, "triton": triton.__version__, "variants": variants, "failures": failures,
-                      "derived": [d[0] for d in derived], "kernels": _all_kernels(),
+                      "derived": [d[0] for d in derived], "kernels": _all_kernels(), "digests": digests,
                       "compiled_kernels": sorted({v["kernel"] for v in variants})}))
     return 0
 

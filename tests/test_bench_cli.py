@@ -1,6 +1,7 @@
 """The benchmark CLI: ``python -m bench --help`` lists the suites and exits 0, a bad suite is a one-line error,
 every suite writes to ``bench/out/`` by default (ignored by git) and prints what it wrote, and a missing
 matplotlib is said, not silent."""
+import json
 import os
 import subprocess
 import sys
@@ -279,10 +280,38 @@ def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
     assert "::ok" not in text and "::twice" not in text
 
 
-def test_logits_refuses_a_persistent_grid_of_no_programs():
-    r = _bench("logits", "--gif-programs", "66", "0")
-    assert r.returncode == 2 and r.stdout == "" and "--gif-programs must be >= 1" in r.stderr
+def _worktrees():
+    out = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    return {line.split(" ", 1)[1] for line in out.stdout.splitlines() if line.startswith("worktree ")}
+
+
+def test_logits_baseline_refuses_a_ref_git_does_not_know():
+    before = _worktrees()
+    r = _bench("logits", "--quick", "--baseline", "no-such-ref-of-ours")
+    assert r.returncode == 2 and r.stdout == "" and "not a commit of this repository" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert _worktrees() == before
+
+
+def test_logits_baseline_times_the_ref_in_a_worktree_it_removes(tmp_path, monkeypatch):
+    """``--baseline REF``: the ref's own ``bench logits`` in a worktree of it (its hk rows, named ``NAME @REF``, after
+    this version's), the worktree gone afterwards, also when the ref's run fails."""
+    from bench import bench_logits
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU smoke times the eager paths
+    before = _worktrees()
+    rows = bench_logits.baseline_rows("HEAD", 8, [40], quick=True, only=["hk.token_logprobs"])
+    assert rows and {r["impl"] for r in rows} <= {"hk.token_logprobs @HEAD", "hk.token_logprobs(inplace) @HEAD"}
+    assert all("ms" in r and r["V"] == 40 for r in rows)
+    assert _worktrees() == before
+    with pytest.raises(bench_logits.BaselineError, match="its bench logits failed"):
+        bench_logits.baseline_rows("HEAD", 8, [0], quick=True, only=["nothing"])  # V = 0: the ref's run fails
+    assert _worktrees() == before
+    r = _bench("logits", "--quick", "--n", "8", "--vocab", "40", "--only", "hk.token_logprobs", "--baseline", "HEAD",
+               "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    impls = {row["impl"] for row in json.loads((tmp_path / "logits_quick.json").read_text())["rows"]}
+    assert {"hk.token_logprobs", "hk.token_logprobs @HEAD"} <= impls, impls
+    assert _worktrees() == before
 
 
 @pytest.mark.parametrize("args, says", [(("report",), "give at least one run folder"),

@@ -92,9 +92,9 @@ def test_gate_derives_every_switch_combination(gate):
     derived = set(gate[90]["derived"])
     assert len(derived) > 50  # distinct switch combinations (each on up to 6 recorded launches)
     for terms in (False, True):
-        for loss_type in (0, 1, 2):  # one value of each integer specialisation: divisible by 16, 1, neither
+        for aggregation in (0, 1, 2):  # one value of each integer specialisation: divisible by 16, 1, neither
             for norm_kind in (0, 1, 2):
-                name = f"derived _grpo_finalize_kernel(TERMS={terms}, loss_type={loss_type}, norm_kind={norm_kind})"
+                name = f"derived _grpo_finalize_kernel(TERMS={terms}, aggregation={aggregation}, norm_kind={norm_kind})"
                 assert name in derived, name
     assert any(c.startswith("derived _logprobs_bwd_kernel(") and "ENTROPY=True" in c and "has_w2=1" in c
                for c in derived)

@@ -1,38 +1,36 @@
-"""The one-launch forward (issue 53): the finalize folded into the row kernel (ops/finalize/folded.py) and GRPO's
-gradient in the forward on a persistent grid, against hk.reference, and against the previous path
-(``ops.constants.FOLD_FINALIZE`` off, ``HK_FOLD_FINALIZE=0``; the fold is the default since run 5 checked its
-memory ordering on an H100). The interpreter runs a grid's programs in order, so here the last program is always
-the last row: these tests pin the arithmetic (tiles, partial sums, tails, the shared weight), the counters'
-protocol (zero before and after a launch, an interrupted launch cleaned up) and the bits' independence from the
-path; the ordering between programs is the GPU test's at the end of this file."""
+"""The one-launch forward: the finalize folded into the row kernel (ops/fold.py) and GRPO's gradient in
+the forward on a persistent grid, against hk.reference, and against the row kernel followed by a finalize launch
+(the path of a packed batch and of the fused-linear chunks, forced here on dense batches by the test's own
+``unfolded`` patch of ``fused._one_launch``). The interpreter runs a grid's programs in order, so here the last
+program is always the last row: these tests pin the arithmetic (tiles, partial sums, tails, the shared weight), the
+counters' protocol (zero before and after a launch, an interrupted launch cleaned up) and the bits' independence
+from the path; the ordering between programs is the GPU test's at the end of this file."""
 import pytest
 import torch
 from test_fused_losses import _data, _run
 
 import humanline_kernels as hk
 from humanline_kernels import _params as P
-from humanline_kernels.ops import _jit
-from humanline_kernels.ops import constants as C
-from humanline_kernels.ops.finalize import folded as FOLD
-from humanline_kernels.ops.finalize import kernel as FK
-from humanline_kernels.ops.token_terms import kernel as TK
-
-PATHS = {  # name -> the constants that select it
-    "folded": dict(FOLD_FINALIZE=True, GIF_PERSISTENT=True),
-    "folded, a program a row": dict(FOLD_FINALIZE=True, GIF_PERSISTENT=False),
-    "previous": dict(FOLD_FINALIZE=False),
-}
+from humanline_kernels import fused
+from humanline_kernels.ops import _jit, fold, grpo, kto
+from humanline_kernels.ops import kernels as FK
+from humanline_kernels.ops import token_terms as TK
 
 
-@pytest.fixture(params=list(PATHS))
+def unfolded(monkeypatch):
+    """Dense batches take the row kernel and a finalize launch after it (the path of packed batches)."""
+    monkeypatch.setattr(fused, "_one_launch", lambda tokens, labels: False)
+
+
+@pytest.fixture(params=["folded", "unfolded"])
 def path(request, monkeypatch):
-    for name, value in PATHS[request.param].items():
-        monkeypatch.setattr(C, name, value)
+    if request.param == "unfolded":
+        unfolded(monkeypatch)
     return request.param
 
 
 def _counters_zero():
-    return all(int(buf.abs().sum()) == 0 for buf in FOLD._COUNTERS.values())
+    return all(int(buf.abs().sum()) == 0 for buf in fold._COUNTERS.values())
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
@@ -109,8 +107,8 @@ def test_shapes(shape, path):
 
 
 @pytest.mark.parametrize("kind", ["grpo", "grpo gif", "dpo", "kto"])
-def test_same_bits_as_the_previous_path(kind, monkeypatch):
-    """The fold sums per tile and then the tiles, the previous finalize per ``[BLOCK_B, BLOCK_T]`` tile: different
+def test_same_bits_as_the_unfolded_path(kind, monkeypatch):
+    """The fold sums per tile and then the tiles, the finalize launch per ``[BLOCK_B, BLOCK_T]`` tile: different
     orders of the same fp32 sums, so the losses agree to rounding (here, at these sizes, to the bit); every
     per-token output and the logits' gradient are the same bits; twice the same call gives the same bits."""
     x, y, ref = _data(4, 13, 90, seed=26)
@@ -119,7 +117,8 @@ def test_same_bits_as_the_previous_path(kind, monkeypatch):
     kw = dict(grad_in_forward=True, beta=0.04) if kind == "grpo gif" else {}
     out = {}
     for name in ("folded", "folded again", "previous"):
-        monkeypatch.setattr(C, "FOLD_FINALIZE", name != "previous")
+        if name == "previous":
+            unfolded(monkeypatch)
         leaf = x.detach().clone().requires_grad_()
         loss, met = getattr(hk.fused, kind.split()[0])(leaf[:, :-1], y, ref, *extra, **kw)
         loss.backward()
@@ -135,12 +134,11 @@ def test_counters_zero_after_an_interrupted_launch(monkeypatch):
     """The counters must be zero before every launch (no fill is launched): a launch that stops half way (an
     interpreted one can; a compiled one cannot without losing the CUDA context) leaves some non-zero, and the
     launcher zeroes them before the error goes on."""
-    monkeypatch.setattr(C, "FOLD_FINALIZE", True)
     x, y, ref = _data(3, 6, 40, seed=27)
     adv = torch.ones(3)
     hk.fused.grpo(x[:, :-1], y, ref, adv)  # the buffer exists
-    assert FOLD._COUNTERS and _counters_zero()
-    original = FOLD.launcher
+    assert fold._COUNTERS and _counters_zero()
+    original = grpo.launcher
 
     def half(kernel, t):
         twin = original(kernel, t)
@@ -152,17 +150,17 @@ def test_counters_zero_after_an_interrupted_launch(monkeypatch):
                     raise KeyboardInterrupt
                 return run
         return Grid()
-    monkeypatch.setattr(FOLD, "launcher", half)
+    monkeypatch.setattr(grpo, "launcher", half)
     with pytest.raises(KeyboardInterrupt):
         hk.fused.grpo(x[:, :-1], y, ref, adv)
     assert _counters_zero()
-    monkeypatch.setattr(FOLD, "launcher", original)
+    monkeypatch.setattr(grpo, "launcher", original)
     _run("grpo", x, y, ref, (adv,), {})
 
 
 def test_one_launch_a_direction(monkeypatch):
-    """With the fold selected: DPO, KTO and GRPO (default loss type, also with the gradient in the forward): one
-    Triton launch forward, one backward; GRPO's "grpo" loss type with the gradient in the forward also launches the
+    """DPO, KTO and GRPO (default loss type, also with the gradient in the forward) of a dense batch: one Triton
+    launch forward, one backward; GRPO's "grpo" loss type with the gradient in the forward also launches the
     weights-only finalize."""
     x, y, ref = _data(4, 5, 60, seed=28)
     calls = {
@@ -175,7 +173,6 @@ def test_one_launch_a_direction(monkeypatch):
         "kto": (lambda v: hk.fused.kto(v, y, ref, torch.ones(4, dtype=torch.bool)),
                 ["_kto_loss_kernel", "_logprobs_bwd_kernel"]),
     }
-    monkeypatch.setattr(C, "FOLD_FINALIZE", True)
     for name, (fn, kernels) in calls.items():
         leaf = x.detach().clone().requires_grad_()
         _jit.LAUNCHES.clear()
@@ -185,28 +182,29 @@ def test_one_launch_a_direction(monkeypatch):
 
 def test_persistent_grid_walks_the_rows(monkeypatch):
     """The persistent grid is ``min(rows, SMs x GIF_PROGRAMS_PER_SM)`` programs (3 "SMs" in the interpreter): 6
-    programs for 10 rows, as many as rows when they are fewer; ``GIF_PROGRAMS`` replaces the product."""
+    programs for 10 rows, as many as rows when they are fewer; 3 programs walk ten rows, 3 or 4 each."""
     seen = []
-    original = FOLD._launch
+    original = grpo.launcher
 
-    def record(kernel, x, grid, **kwargs):
-        seen.append((grid, kwargs["GRAD"]))
-        return original(kernel, x, grid, **kwargs)
-    monkeypatch.setattr(FOLD, "_launch", record)
-    monkeypatch.setattr(C, "FOLD_FINALIZE", True)
-    monkeypatch.setattr(C, "GIF_PERSISTENT", True)
-    monkeypatch.setattr(C, "GIF_PROGRAMS_PER_SM", 2)
+    def record(kernel, t):
+        twin = original(kernel, t)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def run(**kwargs):
+                    if kernel.fn.__name__ == "_grpo_loss_kernel":
+                        seen.append((grid, kwargs["GRAD"]))
+                    return twin[grid](**kwargs)
+                return run
+        return Grid()
+    monkeypatch.setattr(grpo, "launcher", record)
+    monkeypatch.setattr(grpo, "GIF_PROGRAMS_PER_SM", 2)
     x, y, ref = _data(2, 5, 60, seed=29)
     _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True))
     _run("grpo", x[:1, :2], y[:1, :1], ref[:1, :1], (torch.tensor([1.0]),), dict(grad_in_forward=True))
-    assert seen == [((6,), 3), ((1,), 3)]  # 3: the persistent grid, the shared row weight
-    # HK_GIF_PROGRAMS sizes the grid in place of SMs x GIF_PROGRAMS_PER_SM (bench logits --gif-programs): one
-    # program walks all ten rows, four walk two or three each; the values and gradient still match hk.reference
-    seen.clear()
-    for programs in (1, 4):
-        monkeypatch.setattr(C, "GIF_PROGRAMS", programs)
-        _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True))
-    assert seen == [((1,), 3), ((4,), 3)]
+    monkeypatch.setattr(grpo, "GIF_PROGRAMS_PER_SM", 1)
+    _run("grpo", x, y, ref, (torch.tensor([1.0, -1.0]),), dict(grad_in_forward=True))
+    assert seen == [((6,), 3), ((1,), 3), ((3,), 3)]  # 3: the persistent grid, the shared row weight
 
 
 def test_opcheck():
@@ -227,25 +225,25 @@ def test_opcheck():
                            -1.5, 1.5, 1.0, -100, 0.1, 1.0, 1.0)),
         (hl.kto_loss_out, (x3, y, ref, torch.tensor([True, False]), None, None, None, torch.tensor([0.3], **f32),
                            *outs(4, 4), False, 0.0, 0.0, 1.0, -100, 0.1, 1.0, 1.0)),
-        (hl.grpo_loss_out, (x3, y, ref, None, torch.ones(2), None, None, False, None, *outs(5, 4), *grpo, False)),
+        (hl.grpo_loss_out, (x3, y, ref, None, torch.ones(2), None, None, False, None, *outs(5, 4), *grpo)),
         (hl.grpo_loss_out, (x3, y, ref, ref, torch.ones(2), w, torch.empty_like(x3), False, torch.tensor([2.0]),
-                            *outs(5, 4), *grpo[:-3], 1, 0.0, 0, False)),
+                            *outs(5, 4), *grpo[:-3], 1, 0.0, 0)),
         (hl.grpo_loss_out, (x3, y, ref, None, torch.ones(2), None, torch.empty_like(x3), False, None, *outs(5, 4),
-                            *grpo, True)),
+                            *grpo)),
         (hl.grpo_loss_inplace, (x.clone()[:, :-1], y, ref, None, torch.ones(2), None, None, True, None, *outs(5, 4),
-                                *grpo, True)),
+                                *grpo)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
 
 
 def test_kto_given_z0_launcher_matches_the_finalize():
-    """The launcher with a given baseline (the distributed path's all-reduced ``z0``) against the previous path's
-    kernels on the same inputs."""
+    """The launcher with a given baseline (the distributed path's all-reduced ``z0``) against the row kernel and the
+    finalize kernel on the same inputs."""
     x, y, ref = _data(4, 5, 60, seed=31)
     p = P.KTO(clip=hk.HumanlineClip(), beta=0.2, undesirable_weight=1.5)
     inp = P.KTOInputs(torch.tensor([True, False, False, True]), z0=torch.tensor(0.37))
-    got = FOLD.kto_loss(x[:, :-1], y, ref, p, inp)
+    got = kto.kto_loss(x[:, :-1], y, ref, p, inp)
     val, coef, lse, aux = TK.token_terms(x[:, :-1], y, ref, p, inp)
     want = (val, coef, lse, aux, *FK.kto_finalize(val, aux, y, p, inp))
     for a, b in zip(got, want):
@@ -293,18 +291,18 @@ def _stress_calls(B, T, V, device="cuda"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(_STRESS))
-def test_gpu_fold_is_deterministic_and_matches_the_previous_path(shape, monkeypatch, compiled_kernels):
+def test_gpu_fold_is_deterministic_and_matches_the_unfolded_path(shape, monkeypatch, compiled_kernels):
     """What the interpreter cannot show: with programs finishing in any order, every counter's last arrival sees
     every earlier program's stores. Twenty folded calls give the same bits and the counters are zero after each.
-    The two paths sum the same fp32 terms in different orders, and with thousands of tokens a row (run 5, H100:
-    the DPO pair of 4096-token rows) a loss that is a small difference of large sums differs by more than a fixed
-    1e-5: so each path is measured against the loss in float64 (``hk.reference`` on the upcast logits), and the
-    fold's error must be at most twice the previous path's (plus 1e-6 relative) for the loss, every metric and the
-    gradient."""
+    The two paths sum the same fp32 terms in different orders, and with thousands of tokens a row (the DPO pair of
+    4096-token rows) a loss that is a small difference of large sums differs by more than a fixed 1e-5: so each path
+    is measured against the loss in float64 (``hk.reference`` on the upcast logits), and the fold's error must be at
+    most twice the unfolded path's (plus 1e-6 relative) for the loss, every metric and the gradient."""
     for name, (x, fn, truth) in _stress_calls(*_STRESS[shape]).items():
         runs = []
-        for fold in [True] * 20 + [False]:
-            monkeypatch.setattr(C, "FOLD_FINALIZE", fold)
+        for folded in [True] * 20 + [False]:
+            if not folded:
+                unfolded(monkeypatch)
             leaf = x.detach().clone().requires_grad_()
             loss, met = fn(leaf)
             loss.backward()
@@ -331,19 +329,17 @@ def _against_float64(shape, name, fold, previous, x, truth, keys):
 
 
 def test_row_kernels_register_budget(monkeypatch):
-    """A folded row kernel's ``maxnreg`` leaves room for ``FOLD_ROW_WARPS_PER_SM`` warps an SM: 72 registers at 4
-    warps (7 programs), 80 at 8 (3 programs), half the programs for fp32 rows, one program's share with GRPO's
-    gradient sweep (as before); 4 warps an SM gives the budget before run 8 (248: one program).
-    Run 8 (H200): KTO's kernel built at 90 registers ran 7.5 % behind DPO's at 72 (5 programs an SM against 7)."""
+    """A folded row kernel's ``maxnreg`` leaves room for ``ROW_WARPS_PER_SM`` warps an SM: 72 registers at 4 warps
+    (7 programs), 80 at 8 (3 programs), half the programs for fp32 rows; 4 warps an SM would give one program's
+    share (248)."""
     from humanline_kernels.ops import _jit
     x = torch.empty(2, 3, 64, device="meta", dtype=torch.bfloat16)  # meta as a compiled device, as the gate routes it
     _jit.COMPILED_DEVICES.add("meta")  # (the one set every launcher module imported)
     try:
-        assert FOLD._register_budget(x, 4) == {"maxnreg": 72}
-        assert FOLD._register_budget(x, 8) == {"maxnreg": 80}
-        assert FOLD._register_budget(x, 4, grad=1) == {"maxnreg": 248}  # the gradient sweep: one program's share
-        assert FOLD._register_budget(x.float(), 4) == {"maxnreg": 168}  # fp32 rows: 3 programs
-        monkeypatch.setattr(C, "FOLD_ROW_WARPS_PER_SM", 4)
-        assert FOLD._register_budget(x, 4) == {"maxnreg": 248}
+        assert fold.row_register_budget(x, 4) == {"maxnreg": 72}
+        assert fold.row_register_budget(x, 8) == {"maxnreg": 80}
+        assert fold.row_register_budget(x.float(), 4) == {"maxnreg": 168}  # fp32 rows: 3 programs
+        monkeypatch.setattr(fold, "ROW_WARPS_PER_SM", 4)
+        assert fold.row_register_budget(x, 4) == {"maxnreg": 248}
     finally:
         _jit.COMPILED_DEVICES.discard("meta")

@@ -16,7 +16,7 @@ from humanline_kernels.ops import linear as LC
 # Import triton and decorate the kernels now, under conftest's TRITON_INTERPRET=1: a first import while a test has
 # flipped it to 0 (the eager path) would build compiled-mode helpers the interpreter then cannot call.
 if ops.triton_available():
-    import humanline_kernels.ops.logprobs.kernel  # noqa: F401
+    import humanline_kernels.ops.logprobs  # noqa: F401
 
 CLIP = hk.HumanlineClip(-0.3, 0.25)  # narrow band: some tokens inside, some clipped on either side
 
@@ -168,7 +168,7 @@ def test_scaled_is_the_product_in_the_weights_dtype(shape, dtype, s):
     accumulator into a new tensor of the parameter's dtype, equal to torch's product rounded once; written at
     ``s == 1`` too (the in-place twin, which scales ``dW`` now, skips that case), the accumulator left alone (a second
     backward of a retained graph reads it again)."""
-    from humanline_kernels.ops.logprobs import kernel as LPK
+    from humanline_kernels.ops import logprobs as LPK
     acc = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
     before = acc.clone()
     _jit.LAUNCHES.clear()

@@ -14,7 +14,7 @@ from humanline_kernels.ops import linear as LC
 # Import triton and decorate the kernels now, under conftest's TRITON_INTERPRET=1: a first import while a test has
 # flipped it to 0 (the eager path) would build compiled-mode helpers the interpreter then cannot call.
 if ops.triton_available():
-    import humanline_kernels.ops.logprobs.kernel  # noqa: F401
+    import humanline_kernels.ops.logprobs  # noqa: F401
 
 
 class LiveBytes(TorchDispatchMode):

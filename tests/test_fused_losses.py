@@ -6,13 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import humanline_kernels as hk
+from humanline_kernels import _eager
 from humanline_kernels import _params as P
-from humanline_kernels.ops.constants import METRICS
-from humanline_kernels.ops.finalize import eager as FE
-from humanline_kernels.ops.finalize import kernel as FK
-from humanline_kernels.ops.logprobs import kernel as LPK
-from humanline_kernels.ops.token_terms import eager as TE
-from humanline_kernels.ops.token_terms import kernel as TK
+from humanline_kernels._params import METRICS
+from humanline_kernels.ops import kernels as FK
+from humanline_kernels.ops import logprobs as LPK
+from humanline_kernels.ops import token_terms as TK
 
 GTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -157,9 +156,9 @@ def test_eager_fallback(monkeypatch):
     # the eager twins of the fused GRPO gradient (the fused-linear path on CPU): weights, then terms + gradient
     x3, mask = x[:, :-1], y != -100
     p, inp = P.GRPO(), P.GRPOInputs(torch.tensor([1.0, -1.0]))
-    w = FE.grpo_finalize(None, None, y, p, inp)[2]
+    w = _eager.grpo_finalize(None, None, y, p, inp)[2]
     out = torch.empty_like(x3)
-    TE.token_terms(x3, y, ref, p, inp, row_weight=w, grad_out=out)
+    _eager.token_terms(x3, y, ref, p, inp, row_weight=w, grad_out=out)
     leaf = x3.detach().clone().requires_grad_()
     hk.reference.grpo(hk.reference.token_logprobs(leaf, y), ref, torch.tensor([1.0, -1.0]), mask)[0].backward()
     torch.testing.assert_close(out, leaf.grad, atol=1e-6, rtol=1e-5)
@@ -268,7 +267,7 @@ def test_grpo_row_weights_match_grpo_aggregate(agg, empty):
     x = torch.randn(4, 6, generator=g).requires_grad_()
     hk.losses.grpo_aggregate(torch.where(mask, x, 0.0), mask, **full).backward()
     labels = torch.where(mask, 0, -100)
-    p, norm = hk.losses.grpo_params(clip=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, **full)
+    p, norm = P.GRPO.of(clip=None, **full)
     w = FK.grpo_finalize(None, None, labels, p, P.GRPOInputs(torch.ones(4), None, norm))[2]
     assert w.shape == (4,) and w.dtype == torch.float32
     torch.testing.assert_close(torch.where(mask, w[:, None].expand(4, 6), 0.0), x.grad, atol=0, rtol=1e-6)
@@ -287,7 +286,7 @@ def test_grpo_grad_in_forward_second_backward_raises():
 @pytest.mark.parametrize("twin", ["kernel", "eager"])
 def test_clip_band_ends_pass_gradient(twin):
     """delta exactly on a band end: inside for the gradient (torch.clamp), outside for unclipped_frac (strict)."""
-    TT = TK if twin == "kernel" else TE
+    TT = TK if twin == "kernel" else _eager
     x = torch.zeros(1, 4, 1)  # V = 1: logp == 0 exactly, so delta == -ref exactly
     y = torch.zeros(1, 4, dtype=torch.long)
     y[0, 3] = -100
@@ -337,7 +336,7 @@ _FINALIZE_CASES = {  # name -> (kind, B, T, V, dtype, loss keywords)
 @pytest.mark.parametrize("case", list(_FINALIZE_CASES))
 def test_finalize_kernels_and_eager_twins_match_reference(case):
     """The [B, T] tail exists twice: the finalize kernels (interpreter here) and their eager twins
-    (ops/finalize/eager.py, hk.losses' functions). Both against hk.reference: loss, every metric, and the backward
+    (humanline_kernels/_eager.py, hk.losses' functions). Both against hk.reference: loss, every metric, and the backward
     weight ``w[b] * coef[b, t] = d loss / d logp[b, t]``; and against each other."""
     kind, B, T, V, dtype, kw = _FINALIZE_CASES[case]
     kw = dict(kw)
@@ -351,9 +350,7 @@ def test_finalize_kernels_and_eager_twins_match_reference(case):
         adv = torch.randn(B, generator=g)
         kl_ref = ref + 0.2 * torch.randn(B, T, generator=g) if kw.pop("kl_ref", False) else None
         loss_r, met_r = hk.reference.grpo(logps, ref, adv, mask, clip=clip, kl_ref_logps=kl_ref, **kw)
-        p, norm = hk.losses.grpo_params(**dict(dict(clip=clip, beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-                                                    loss_type="dapo", normalizer=None, max_completion_length=None),
-                                               **kw), temperature=temperature)
+        p, norm = P.GRPO.of(**dict(dict(clip=clip, normalizer=None), **kw), temperature=temperature)
         inp = P.GRPOInputs(adv, kl_ref, norm)
     elif kind == "dpo":
         loss_r, met_r = hk.reference.dpo(logps, ref, mask, clip=clip, **kw)
@@ -370,7 +367,7 @@ def test_finalize_kernels_and_eager_twins_match_reference(case):
     val, coef, _lse, aux = TK.token_terms(x3, y, ref, p, inp)
     (grad_r,) = torch.autograd.grad(loss_r, logps)
     results = {}
-    for twin, FIN in (("kernel", FK), ("eager", FE)):
+    for twin, FIN in (("kernel", FK), ("eager", _eager)):
         loss, met, w = results[twin] = FIN.FINALIZE[kind](val, aux, y, p, inp)
         assert loss.shape == () and met.shape == (len(METRICS[kind]),) and w.shape == (B,)
         torch.testing.assert_close(loss, loss_r.detach(), atol=2e-5, rtol=1e-5)
@@ -387,7 +384,7 @@ def test_grpo_finalize_weights_only_matches_the_eager_twin(loss_type):
     x, y, ref = _data(5, 6, 30, seed=14)
     p, inp = P.GRPO(loss_type=loss_type), P.GRPOInputs(torch.ones(5))
     w = FK.grpo_finalize(None, None, y, p, inp)[2]
-    torch.testing.assert_close(w, FE.grpo_finalize(None, None, y, p, inp)[2], atol=0, rtol=1e-6)
+    torch.testing.assert_close(w, _eager.grpo_finalize(None, None, y, p, inp)[2], atol=0, rtol=1e-6)
 
 
 def test_kto_finalize_given_z0():

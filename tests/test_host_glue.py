@@ -8,7 +8,6 @@ reran. Ceilings are today's counts plus about 10 %; ``python -m bench host --pro
 ratios to the floor (docs/kernels.md).
 """
 import sys
-from unittest import mock
 
 import pytest
 import torch
@@ -72,32 +71,6 @@ def test_host_calls_within_budget(counts, name):
     assert counts[name] <= CEILINGS[name], f"{name}: {counts[name]} Python/C calls a forward + backward"
 
 
-@pytest.fixture(scope="module")
-def previous_counts():
-    """The same counts on the previous path (``HK_FOLD_FINALIZE=0``: the row kernel, then a finalize launch)."""
-    from humanline_kernels.ops import constants
-    with mock.patch.object(constants, "FOLD_FINALIZE", False), host_proxy.stubbed_launches():
-        calls = host_proxy._calls()
-        return {name: _count(calls[name]) for name in FOLDED}
-
-
-# the folded path (the default since run 5) does a launch less with no more argument handling: at most the previous
-# path's count (at the time of writing, torch 2.13: grpo 258 against 268, grad_in_forward 276 / 289, dpo 214 / 230,
-# kto 282 / 298)
-FOLDED = ("fused.grpo", "fused.grpo(validate)", "fused.grpo(grad_in_forward)", "fused.grpo(inplace)", "fused.dpo",
-          "fused.dpo(validate)", "fused.kto")
-
-
-def test_the_default_is_the_folded_path():
-    from humanline_kernels.ops import constants
-    assert constants.FOLD_FINALIZE
-
-
-@pytest.mark.parametrize("name", FOLDED)
-def test_folded_path_calls_no_more_than_the_previous(counts, previous_counts, name):
-    assert counts[name] <= previous_counts[name], f"{name}: {counts[name]} calls folded, {previous_counts[name]} not"
-
-
 def test_count_sees_the_glue(counts):
     """The counter is not blind: every loss does measurably more than the floor, and splitting a fused-linear
     call into chunks adds calls."""
@@ -123,7 +96,7 @@ def test_triton_launch_path_runs_triton_and_restores_it():
     from triton.runtime.jit import JITFunction
 
     import humanline_kernels as hk
-    from humanline_kernels.ops.logprobs import kernel as LPK
+    from humanline_kernels.ops import logprobs as LPK
     x = torch.randn(2, 4, 16, requires_grad=True)
     y = torch.randint(0, 16, (2, 4))
     previous = driver._active

@@ -43,8 +43,7 @@ def _worker(rank, world, out):
     for fn, x, kw in ((hk.fused.kto, (h @ w.T,), {}), (hk.fused_linear.kto, (h, w), dict(chunk_bytes=3 * 11 * 4))):
         loss, m = fn(*x, y, ref32, des2, *kl, beta=0.5, **kw)
         res.append((loss.item(), m["kl"].item(), want[0].item(), want[1]["kl"].item()))
-    # the KTO tails that took the all-reduced baseline: the logits path's folded kernel (the default; the finalize
-    # kernel with HK_FOLD_FINALIZE=0) and fused linear's finalize
+    # the KTO tails that took the all-reduced baseline: the logits path's folded kernel and fused linear's finalize
     tails = _jit.LAUNCHES[("interpreted", "_kto_finalize_kernel")] + _jit.LAUNCHES[("interpreted", "_kto_loss_kernel")]
     assert tails >= 2 and _jit.LAUNCHES[("interpreted", "_kto_finalize_kernel")] >= 1, dict(_jit.LAUNCHES)
     out[rank] = res

@@ -6,10 +6,8 @@ The budget (docs/design.md): a logits-level loss forward + backward launches 2 k
 the ``ones_like`` of autograd's seed gradient (issue 53; 8 before): ``token_logprobs`` and the fused DPO, KTO and
 GRPO meet it (the row kernel with the ``[B, T]`` finalize folded in, one backward kernel), and GRPO with the
 gradient in the forward (the row kernel, the backward's ``grad_output`` scale), except for its ``"grpo"`` loss
-type, whose row weights need a launch of their own first (a ceiling at 3 of ours). These counts are the folded
-path's (``ops.constants.FOLD_FINALIZE``, the default since run 5 checked it on an H100); the previous path
-(``HK_FOLD_FINALIZE=0``: a finalize launch after the row kernel) keeps its counts as ceilings
-(:func:`test_previous_path_launch_count`). A fused-linear loss launches at most 4 per chunk + 5. The
+type, whose row weights need a launch of their own first (a ceiling at 3 of ours). A fused-linear loss launches
+at most 4 per chunk + 5. The
 fused-linear losses meet it in one chunk (9: three GEMMs, three Triton launches, three in the backward) and GRPO at
 any number of chunks (4 a chunk); DPO and KTO with several chunks do not (a finalize and a backward launch per
 chunk besides its three GEMMs): for those this test is a ceiling at today's count, so that a change can only lower
@@ -59,10 +57,7 @@ def _quiet_launches(monkeypatch):
     arguments are not kernels a GPU would run (the launch itself is counted by ``_jit.LAUNCHES``)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from humanline_kernels.ops.finalize import folded
-    from humanline_kernels.ops.finalize import kernel as finalize_kernels
-    from humanline_kernels.ops.logprobs import kernel as logprobs
-    from humanline_kernels.ops.token_terms import kernel as losses_kernels
+    from humanline_kernels.ops import dpo, grpo, kto, logprobs, sequence, token_terms
     original = _jit.launcher
 
     def launcher(kernel, t):
@@ -75,7 +70,7 @@ def _quiet_launches(monkeypatch):
                         return k[grid](*args, **kwargs)
                 return call
         return _Grid()
-    for mod in (_jit, logprobs, losses_kernels, finalize_kernels, folded):
+    for mod in (_jit, logprobs, token_terms, dpo, kto, grpo, sequence):
         monkeypatch.setattr(mod, "launcher", launcher)
 
 
@@ -187,19 +182,3 @@ def test_launch_count_within_budget_or_ceiling(name, monkeypatch, capsys):
         assert n <= budget, f"{name}: {n} launches, over docs/design.md's budget of {budget}"
     else:
         assert n <= max(budget, ceiling), f"{name}: {n} launches, more than today's {ceiling} (budget {budget})"
-
-
-# the previous path's counts (HK_FOLD_FINALIZE=0: a finalize launch after the row kernel; with the gradient in the
-# forward also the weights-only finalize first), ceilings for the path that stays selectable
-PREVIOUS = {"fused.grpo": 4, "fused.grpo(grad_in_forward)": 5, "fused.dpo": 4, "fused.kto": 4}
-
-
-@pytest.mark.parametrize("name", list(PREVIOUS))
-def test_previous_path_launch_count(name, monkeypatch):
-    from humanline_kernels.ops import constants
-    monkeypatch.setattr(constants, "FOLD_FINALIZE", False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _quiet_launches(monkeypatch)
-    fn, wrt, _budget, _ceiling = _calls()[name]
-    n, ops, triton = count(fn, wrt)
-    assert triton >= 1 and n <= PREVIOUS[name], f"{name}: {n} launches ({ops}, {triton} Triton)"

@@ -54,10 +54,11 @@ def test_sdist_has_everything_to_build_and_test(dists):
 
 def test_wheel_has_the_package_and_its_license(dists):
     names, meta = dists[1], dists[2]
-    for mod in ("__init__", "reference", "losses", "fused", "fused_linear", "_params", "ops/_jit", "ops/constants",
-                "ops/linear", "ops/logprobs/kernel", "ops/logprobs/eager", "ops/token_terms/kernel",
-                "ops/finalize/kernel", "ops/finalize/folded", "ops/tuning", "sync/_syncer", "integrations/trl/__init__",
-                "integrations/trl/grpo", "demo/__init__", "demo/__main__", "demo/cli", "demo/task"):
+    for mod in ("__init__", "reference", "losses", "fused", "fused_linear", "_params", "_eager", "ops/_jit",
+                "ops/constants", "ops/linear", "ops/common", "ops/logprobs", "ops/token_terms", "ops/fold", "ops/dpo",
+                "ops/kto", "ops/grpo", "ops/sequence", "ops/kernels", "ops/tuning", "sync/_syncer",
+                "integrations/trl/__init__", "integrations/trl/grpo", "demo/__init__", "demo/__main__", "demo/cli",
+                "demo/task"):
         assert f"humanline_kernels/{mod}.py" in names, mod
     assert "humanline_kernels/ops/tuned.json" in names  # the tuning table the launchers read (package data)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)

@@ -291,7 +291,7 @@ def test_token_logprobs_eager_matches_reference(monkeypatch, dtype, temperature)
 
 
 def test_eager_chunks_never_hold_whole_fp32_logits():
-    from humanline_kernels.ops.logprobs import eager
+    from humanline_kernels import _eager as eager
 
     B, T, V = 2, 50, 64
     logits = torch.randn(B, T, V)

@@ -202,17 +202,15 @@ def test_bench_sync_quick_runs(tmp_path):
     assert {r["impl"] for r in fsdp2["rows"]} >= {"our sync alone (blocking)", "state_dict way alone"}
 
 
-def test_copy_engines_are_the_default(monkeypatch):
-    """Same-device, same-dtype CUDA groups go to the copy engines unless ``HK_SYNC_COPY_ENGINE=0`` (run 8: never
-    slower than the kernel on an H100 or an H200); the switch is read at import."""
-    import importlib
-
-    from humanline_kernels.sync import _copy
-    try:
-        monkeypatch.delenv("HK_SYNC_COPY_ENGINE", raising=False)
-        assert importlib.reload(_copy).COPY_ENGINE is True
-        monkeypatch.setenv("HK_SYNC_COPY_ENGINE", "0")
-        assert importlib.reload(_copy).COPY_ENGINE is False
-    finally:
-        monkeypatch.undo()
-        importlib.reload(_copy)
+def test_copy_engines_are_the_default():
+    """Same-device, same-dtype CUDA groups go to the copy engines unless the syncer is built with
+    ``copy_engine=False``; every plan the syncer makes (and their slices) carries its choice; a non-bool is
+    refused."""
+    pol, ref = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    for engine in (True, False):
+        kw = {} if engine else dict(copy_engine=False)
+        syncer = hk.ReferenceSyncer(pol, ref, **kw)
+        plan = syncer._plan(False)
+        assert plan.copy_engine is engine and all(part.copy_engine is engine for part in plan.split(3))
+    with pytest.raises(ValueError, match="copy_engine must be a bool"):
+        hk.ReferenceSyncer(pol, ref, copy_engine=0)

@@ -50,16 +50,11 @@ def test_side_stream_overlap(use_kernel, slices):
 @pytest.mark.parametrize("engine", ["default", False])
 @pytest.mark.parametrize("use_kernel", [None, False])
 def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel, engine):
-    """A same-dtype group on the side stream under GEMMs, by the default path (sync/_copy.py ``COPY_ENGINE``: the
-    extension's one cudaMemcpyBatchAsync, or ``copy_`` per tensor without it) or, with ``COPY_ENGINE`` off, by the
-    kernel: the reference holds the policy's bits after every sync, and the path asked for is the one that ran."""
-    import os
-
+    """A same-dtype group on the side stream under GEMMs, by the default path (the copy engines: the extension's one
+    cudaMemcpyBatchAsync, or ``copy_`` per tensor without it) or, with ``copy_engine=False``, by the kernel: the
+    reference holds the policy's bits after every sync, and the path asked for is the one that ran."""
     from humanline_kernels.sync import _copy
-    if engine is False:
-        monkeypatch.setattr(_copy, "COPY_ENGINE", False)
-    batched = _copy.COPY_ENGINE
-    assert batched == (engine == "default" and os.environ.get("HK_SYNC_COPY_ENGINE", "1") != "0")
+    batched = engine == "default"
     ext, calls = _copy.load_extension(), {"batch": [], "kernel": []}
     if use_kernel is None and ext is None:
         pytest.skip("extension neither built nor JIT-buildable here")
@@ -68,7 +63,7 @@ def test_copy_engine_copies_the_same_bits(monkeypatch, use_kernel, engine):
             real = getattr(ext, fn)
             monkeypatch.setattr(ext, fn, lambda *a, k=key, f=real: (calls[k].append(a[2]), f(*a))[1])
     pol, ref = make(0, torch.bfloat16), make(1, torch.bfloat16)
-    syncer = hk.ReferenceSyncer(pol, ref, every=1, use_kernel=use_kernel)
+    syncer = hk.ReferenceSyncer(pol, ref, every=1, use_kernel=use_kernel, copy_engine=batched)
     opt = torch.optim.AdamW(pol.parameters(), lr=1e-2)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     big = torch.randn(2048, 2048, device="cuda")

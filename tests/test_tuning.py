@@ -11,10 +11,7 @@ import torch
 
 import humanline_kernels as hk
 from humanline_kernels import reference as R
-from humanline_kernels.ops import tuning
-from humanline_kernels.ops.finalize import folded as FOLD
-from humanline_kernels.ops.logprobs import kernel as LPK
-from humanline_kernels.ops.token_terms import kernel as TK
+from humanline_kernels.ops import common, dpo, grpo, kto, logprobs, sequence, token_terms, tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARD = "Test card"
@@ -65,18 +62,18 @@ def test_a_broken_table_is_no_table(broken):
 
 def test_launchers_configurations_read_the_table_by_family(table):
     bf16 = torch.bfloat16
-    assert LPK._sweep_config(128256, True, True, CARD, bf16, "fwd") == (8192, 8)
-    assert LPK._sweep_config(128256, True, True, CARD, bf16, "terms") == (2048, 8)
-    assert LPK._block_config(128256, 2, True, CARD, bf16) == (8192, 16)
-    assert FOLD._gif_config(128256, 2, True, 90, CARD, bf16, 32, 16) == (4096, 16)
+    assert common._sweep_config(128256, True, True, CARD, bf16, "fwd") == (8192, 8)
+    assert common._sweep_config(128256, True, True, CARD, bf16, "terms") == (2048, 8)
+    assert common._block_config(128256, 2, True, CARD, bf16) == (8192, 16)
+    assert grpo._gif_config(128256, 2, True, 90, CARD, bf16, 32, 16) == (4096, 16)
     # an entry is clamped to the row: V = 40000 under the 32000 entry keeps 2048; a tiny row gets its own width
-    assert LPK._sweep_config(40000, True, True, CARD, bf16, "fwd") == (2048, 4)
+    assert common._sweep_config(40000, True, True, CARD, bf16, "fwd") == (2048, 4)
     # another card, dtype or an unaligned row (card None): the defaults
     for args in ((128256, True, True, "Other", bf16, "fwd"), (128256, True, True, CARD, torch.float32, "fwd"),
                  (128256, True, False, None, bf16, "fwd")):
-        assert LPK._sweep_config(*args) == LPK._sweep_config.__wrapped__(*args[:3], None, args[4], args[5])
+        assert common._sweep_config(*args) == common._sweep_config.__wrapped__(*args[:3], None, args[4], args[5])
     tuning.set_table(None)  # the caches are cleared with the table
-    assert LPK._sweep_config(128256, True, True, CARD, bf16, "fwd") == (4096, 4)
+    assert common._sweep_config(128256, True, True, CARD, bf16, "fwd") == (4096, 4)
 
 
 def _captured(monkeypatch):
@@ -94,7 +91,7 @@ def _captured(monkeypatch):
                     return twin[grid](**kwargs)
                 return run
         return Grid()
-    for mod in (LPK, TK, FOLD):
+    for mod in (logprobs, token_terms, dpo, kto, grpo, sequence):
         monkeypatch.setattr(mod, "launcher", launcher)
     return seen
 
@@ -112,9 +109,9 @@ def _data(B=2, T=5, V=100, seed=0):
 def test_a_forced_configuration_reaches_its_kernels_and_computes_the_reference(family, monkeypatch):
     """Each family's kernels launch with the forced block (64 elements, 2 warps here: not a default) and give the
     reference's values and gradients; the other families keep their own."""
-    from humanline_kernels.ops import constants
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(constants, "FOLD_FINALIZE", family == "gif")
+    if family == "terms":  # the token-terms kernel: the row kernel of a forward that is not one launch
+        monkeypatch.setattr(hk.fused, "_one_launch", lambda tokens, labels: False)
     seen = _captured(monkeypatch)
     x, y, ref = _data()
     adv = torch.tensor([0.5, -1.0])
@@ -165,7 +162,7 @@ def test_the_compile_gate_compiles_every_table_entry(table):
     names = [name for name, _, _ in compile_gate._cases() if name.startswith("tuned ")]
     for family, dn, block, warps in tuning.entries():
         assert any(n.startswith(f"tuned {family} {dn} BLOCK_V={block} warps={warps} #") for n in names), family
-    assert len(tuning.entries()) == 5 and len(names) == 2 * 2 + 6 + 4 + 3  # fwd (two entries), terms, bwd, gif
+    assert len(tuning.entries()) == 5 and len(names) == 2 * 2 + 5 + 4 + 3  # fwd (two entries), terms, bwd, gif
 
 
 def _tune(*args):

@@ -1,16 +1,19 @@
-"""The kernels, one folder per op family, each kernel beside its eager twin:
+"""The Triton kernels, one module per kernel family, each named for what it computes:
 
-* :mod:`.logprobs` -- selected-token log-probs (online softmax) and their backward, the loss backward;
-* :mod:`.token_terms` -- per-token humanline terms (clipped log-ratio, GRPO term) in the log-prob pass;
-* :mod:`.finalize` -- the ``[B, T]`` tail of each loss: sums, loss, metrics, row weights, in one launch;
-* :mod:`.linear` -- the chunked lm_head driver of :mod:`humanline_kernels.fused_linear`;
-* :mod:`.constants` -- the constants every layer shares.
+* :mod:`.logprobs` -- selected-token log-probs (online softmax), their backward (also a loss's backward), a row scale;
+* :mod:`.token_terms` -- the per-token humanline terms (clipped log-ratio, GRPO's term) in the log-prob pass;
+* :mod:`.dpo`, :mod:`.kto`, :mod:`.grpo` -- each loss's ``[B, T]`` tail (sums, loss, metrics, row weights): a launch
+  after the row kernel, or folded into it, the forward in one launch (:mod:`.fold`: the counters and partial sums);
+* :mod:`.sequence` -- the sequence-level primitive's per-row sums;
+* :mod:`.common` -- the device functions and launch shapes they share, imported by name;
+* :mod:`.kernels` -- every launcher under the names its eager twin shares (:mod:`humanline_kernels._eager`);
+* :mod:`.linear` -- the pieces of the chunked lm_head loops of :mod:`humanline_kernels.fused_linear`;
+* :mod:`.tuning` -- the per-card launch table; :mod:`.constants` -- the kernels' modes and layouts.
 
-``kernel.py`` in a folder holds the Triton kernels and their launchers; each launcher is also a ``torch.library``
-custom op (namespace ``humanline``) that writes into preallocated outputs, so ``torch.compile`` traces it and it
-needs no fake implementation. ``eager.py`` is the plain-PyTorch twin of the same signature (the CPU path of
-the log-probs; the per-op oracle of the tests for the others). A call decides once, in its public function,
-between the kernels and the eager path: :func:`use_kernels`. Kernel modules import Triton; this one does not.
+Each launcher is also a ``torch.library`` custom op (namespace ``humanline``) that writes into preallocated outputs,
+so ``torch.compile`` traces it and it needs no fake implementation. A call decides once, in its public function,
+between the kernels and the eager twins: :func:`use_kernels`. Kernel modules import Triton; this one, ``constants``,
+``tuning`` and ``linear`` do not. Nothing here imports the package above ``ops``.
 """
 from __future__ import annotations
 
@@ -18,8 +21,6 @@ import importlib.util
 import os
 
 import torch
-
-from .constants import GRPO_LOSS_TYPES, METRICS, MODE_GRPO, MODE_RATIO, named_metrics  # noqa: F401
 
 _JIT = None  # the ops._jit module once triton imported, False when it cannot
 

@@ -36,6 +36,7 @@ def jit(fn=None, *, interpret_as=None, **kwargs):
     def build(f):
         kernel = JITFunction(f, **kwargs)
         kernel.interpret_as = interpret_as  # (read by interpreted())
+        kernel.hk_launch = _Launch(kernel)
         return kernel
     return build if fn is None else build(fn)
 
@@ -54,6 +55,7 @@ def interpreted(kernel: JITFunction):
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
     twin = InterpretedFunction(copy)
+    twin.hk_launch = _Launch(twin)
     _INTERPRETED[id(kernel)] = (kernel, twin)  # the kernel is kept so that its id is not reused
     for name, value in list(scope.items()):
         if isinstance(value, JITFunction):
@@ -61,21 +63,23 @@ def interpreted(kernel: JITFunction):
     return twin
 
 
-# Fused multiply-adds on, stated at every launch: the kernels' measured error bounds assume them (the folded
+# Fused multiply-adds on, stated at every launch: the kernels' error bounds assume them (the folded
 # ``1/T * log2(e)`` scaling is one), and Triton's default for them is announced to change (to off in Triton 3.10).
 FP_FUSION = True
 
 
 class _Launch:
-    """``kernel[grid](**kwargs)`` with ``enable_fp_fusion`` set explicitly (the interpreter ignores it)."""
+    """``kernel[grid](**kwargs)`` with ``enable_fp_fusion`` stated (the interpreter ignores it). One per kernel, made
+    with it: a launch costs the host no Python call more than Triton's own ``kernel[grid]``."""
     __slots__ = ("kernel",)
 
     def __init__(self, kernel):
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        run = self.kernel[grid]
-        return lambda *args, **kwargs: run(*args, enable_fp_fusion=FP_FUSION, **kwargs)
+        kernel = self.kernel  # (its run is looked up at the launch: the compile gate replaces JITFunction.run)
+        return lambda *args, **kwargs: kernel.run(*args, grid=grid, warmup=False, enable_fp_fusion=FP_FUSION,
+                                                  **kwargs)
 
 
 def launcher(kernel: JITFunction, t):
@@ -83,18 +87,18 @@ def launcher(kernel: JITFunction, t):
     explicit options (:data:`FP_FUSION`)."""
     if t.device.type in COMPILED_DEVICES:
         LAUNCHES[("compiled", kernel.fn.__name__)] += 1
-        return _Launch(kernel)
+        return kernel.hk_launch
     LAUNCHES[("interpreted", kernel.fn.__name__)] += 1
-    return _Launch(interpreted(kernel))
+    return interpreted(kernel).hk_launch
 
 
 def custom_op(name: str, mutates_args: tuple, bumps: tuple = ()):
     """Register the launcher ``fn`` as the ``torch.library`` op ``humanline::<name>`` (it writes into its
     preallocated tensor arguments ``mutates_args`` and returns nothing, so it needs no fake implementation).
 
-    The returned callable runs the op while ``torch.compile`` traces (the op stays opaque in the graph) and ``fn``
-    itself otherwise: the dispatcher's own work (schema binding, autograd and Dynamo wrappers, redispatch) costs
-    tens of microseconds a call, more than everything else on the host. ``bumps``: positions of arguments that
+    The returned callable, called with keywords, runs the op while ``torch.compile`` traces (the op stays opaque in
+    the graph) and ``fn`` itself otherwise: the dispatcher's own work (schema binding, autograd and Dynamo wrappers,
+    redispatch) costs more than everything else a call does on the host. ``bumps``: the names of arguments that
     belong to the caller (e.g. logits overwritten by their gradient), whose version counter the direct call bumps
     as the op would, so that a later use of the overwritten tensor fails loudly. ``.op`` is the registered op,
     ``.fn`` the launcher itself.
@@ -102,12 +106,12 @@ def custom_op(name: str, mutates_args: tuple, bumps: tuple = ()):
     def register(fn):
         op = torch.library.custom_op(f"humanline::{name}", mutates_args=mutates_args)(fn)
 
-        def call(*args):
+        def call(**kwargs):
             if torch.compiler.is_compiling():
-                return op(*args)
-            fn(*args)
-            for i in bumps:
-                torch.autograd.graph.increment_version(args[i])
+                return op(**kwargs)
+            fn(**kwargs)
+            for arg in bumps:
+                torch.autograd.graph.increment_version(kwargs[arg])
         call.op, call.fn = op, fn
         call.__name__ = call.__qualname__ = fn.__name__
         call.__doc__ = fn.__doc__
@@ -143,8 +147,8 @@ def _patch_interpreter():
       which NumPy >= 2.4 refuses for arrays of one dimension (``range(0, V, BLOCK)`` then fails). Its tensors get
       an ``__index__`` that takes the one element.
     * Triton patches ``triton.language`` again on every device-function call (``inspect.getmembers`` of five
-      namespaces, about 2 ms): half the time of an interpreted launch of ours went there. Within a launch a
-      namespace set is patched once; nothing restores it before the launch ends.
+      namespaces), half the time of an interpreted launch of ours. Within a launch a namespace set is patched
+      once; nothing restores it before the launch ends.
     """
     global _PATCHED
     if _PATCHED:

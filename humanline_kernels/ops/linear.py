@@ -14,8 +14,8 @@ For the losses ``g`` is known inside the chunk, which holds everything its coeff
 so the logits GEMM is never recomputed: 6 N D V flops in all. Plain log-probs learn their per-token
 gradient only in the backward, which recomputes each chunk's GEMM (8 N D V). At most one chunk of logits exists
 at any time (the buffer), plus the transient upcasts of the eager twins. Both run the Triton kernels or, on CPU
-tensors and fp64, their eager twins (:func:`impl`, decided once by the caller). The row kernels address a
-chunk's buffer through its token ranges and read and write the whole batch's ``[B, T]`` tensors, so nothing is
+tensors and fp64, their eager twins (``humanline_kernels._eager``, decided once by the caller). The row kernels
+address a chunk's buffer through its token ranges and read and write the whole batch's ``[B, T]`` tensors, so nothing is
 gathered or scattered per chunk.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 __all__ = ["token_chunks", "row_chunks", "pair_chunks", "grpo_chunks", "loss_chunks", "map_chunks", "Mapped",
-           "max_rows_for", "impl", "new_buffer", "chunks_buffer", "gather_buffer", "chunk_logits", "kernel_segs",
+           "max_rows_for", "new_buffer", "chunks_buffer", "gather_buffer", "chunk_logits", "kernel_segs",
            "alloc_grads", "grads", "span"]
 
 
@@ -107,19 +107,6 @@ def _mapped(tm, a, b, span):
     return Mapped(src, tm.plane[a:b], span, b - a)
 
 
-def impl(kernels):
-    """``(logprobs, token_terms, finalize)``: the Triton kernel modules or their eager twins."""
-    if kernels:
-        from .finalize import kernel as fin
-        from .logprobs import kernel as lp
-        from .token_terms import kernel as tt
-    else:
-        from .finalize import eager as fin
-        from .logprobs import eager as lp
-        from .token_terms import eager as tt
-    return lp, tt, fin
-
-
 def chunks_buffer(chunks, V, dtype, device):
     """The buffer for the largest chunk's ``[n, V]`` logits."""
     return new_buffer(max(map(size, chunks), default=0) * V, dtype, device)
@@ -171,7 +158,7 @@ def alloc_grads(h2, weight, bias, chunks, need, sparse=False):
 def chunk_logits(buf, h2, wt, bias, segs, gbuf=None):
     """The chunk's ``[n, V]`` logits ``h_c W^T (+ b)`` in the front of ``buf``, in one GEMM: on the rows in place
     when they are one range, else gathered into ``gbuf`` (a map's index rows; a DPO pair chunk's two ranges, so
-    that it adds to ``dW`` once, not once a range: run 4's profile)."""
+    that it adds to ``dW`` once, not once a range)."""
     V = wt.shape[1]
     z = buf[:size(segs) * V].view(-1, V)
     h = _rows_of(h2, segs, gbuf)

@@ -1,17 +1,17 @@
-"""Launch configurations tuned on a GPU (issue 53, target 4): ``(BLOCK_V, num_warps)`` per card, logits dtype, kernel
-family and vocabulary size, read by the launchers from ``tuned.json`` beside this file.
+"""Launch configurations tuned on a GPU: ``(BLOCK_V, num_warps)`` per card, logits dtype, kernel family and
+vocabulary size, read by the launchers from ``tuned.json`` beside this file.
 
 ``python -m bench tune`` times each family's :data:`CANDIDATES` on the lent GPU (a candidate that spills there is
 dropped) and writes the table; the compile gate (tests/compile_gate.py) compiles every configuration of the
 committed table for sm_90 and sm_80, so a tuned configuration is spill-free on both version pairs before it lands.
 An entry applies to CUDA tensors of that card (``torch.cuda.get_device_name``) whose rows are 16-byte aligned and
-of that dtype, at the nearest measured vocabulary size within a factor of 2; everything else keeps the launchers'
+of that dtype, at the nearest tuned vocabulary size within a factor of 2; everything else keeps the launchers'
 defaults. Malformed entries are ignored (a table can only choose among valid launches). Families:
 
 * ``fwd``: ``token_logprobs``' forward sweep (``_logprobs_fwd_kernel``);
 * ``terms``: the token-terms kernel and the folded DPO / KTO / GRPO kernels with one program a row;
 * ``bwd``: the read-and-write passes (``_logprobs_bwd_kernel``, ``_scale_rows_kernel``);
-* ``gif``: GRPO's persistent gradient-in-forward grid (``ops/finalize/folded.py``).
+* ``gif``: GRPO's persistent gradient-in-forward grid (``ops/grpo.py``).
 """
 from __future__ import annotations
 

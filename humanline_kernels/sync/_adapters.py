@@ -4,7 +4,8 @@ After the first step the humanline reference must be the policy before the updat
 usual LoRA reference (the base model with adapters disabled) is therefore wrong for humanline. The cheap exact
 way: a frozen ``reference`` adapter beside the trained one; reference forwards run with it active
 (:func:`reference_adapter`), and a sync copies the trained adapter's weights into it (megabytes, not a model)
-with the same copy path as :class:`~humanline_kernels.ReferenceSyncer` (side stream on CUDA, csrc kernel).
+with the same copy path as :class:`~humanline_kernels.ReferenceSyncer` (side stream on CUDA, csrc kernel): its
+adapter form, ``AdapterSyncer`` (``sync/_syncer.py``), takes its pairs from here.
 
 Supported adapter types: LoRA (DoRA included: its magnitude vectors are plain parameters too) and IA3, whose
 weights are plain tensors named ``...<adapter>...``; others raise a ``ValueError`` naming the type.
@@ -13,13 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 
 import torch
 from torch import nn
 
-from ._backends import Pairs, _local, _unwrap, reshard_fsdp2
-from ._syncer import ReferenceSyncer, check_options
+from ._backends import _local, _unwrap, reshard_fsdp2
 
 SUPPORTED = ("LORA", "IA3")
 
@@ -37,7 +36,7 @@ def _renamed(name: str, src: str, dst: str):
     return ".".join(dst if p == src else p for p in parts)
 
 
-def _pairs(model: nn.Module, train: str, reference: str):
+def adapter_pairs(model: nn.Module, train: str, reference: str):
     """``[(reference param name, train param name)]`` for every parameter of the trained adapter."""
     params = dict(model.named_parameters())
     out = []
@@ -85,7 +84,7 @@ def ensure_reference_adapter(peft_model: nn.Module, train: str = "default", refe
         if peft_model.active_adapter != active:  # PEFT does not activate it; keep it that way regardless
             peft_model.set_adapter(active)
     params = dict(peft_model.named_parameters())
-    for ref, src in _pairs(peft_model, train, reference):
+    for ref, src in adapter_pairs(peft_model, train, reference):
         if params[ref].shape != params[src].shape:
             raise ValueError(f"adapter {reference!r} exists with another configuration than {train!r} ({ref} "
                              f"has shape {tuple(params[ref].shape)}, {src} {tuple(params[src].shape)}); "
@@ -93,46 +92,11 @@ def ensure_reference_adapter(peft_model: nn.Module, train: str = "default", refe
         params[ref].requires_grad_(False)  # frozen: never in an optimizer built from trainable parameters
         if created:  # the reference starts as the trained adapter (the initial policy)
             with torch.no_grad():
-                _data(params[ref]).copy_(_data(params[src]))
+                local_data(params[ref]).copy_(local_data(params[src]))
     return peft_model
 
 
-class AdapterSyncer(ReferenceSyncer):
-    """``ReferenceSyncer`` whose reference is the adapter ``reference`` of ``peft_model`` and whose policy is the
-    adapter ``train`` (same protocol: ``start()``, ``wait()``, ``sync()``, ``state_dict()``). Built by
-    :meth:`ReferenceSyncer.for_adapters`, which calls :func:`ensure_reference_adapter` first."""
-
-    def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
-                 overlap: bool = True, use_kernel: bool | None = None):
-        check_options(every=every, overlap=overlap, use_kernel=use_kernel)  # before the adapter is added
-        peft_model = ensure_reference_adapter(peft_model, train, reference)
-        # the syncer's policy/reference are the same module: the pairs come from the adapter names instead
-        super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel)
-        self.train_adapter, self.reference_adapter = train, reference
-
-    def _collect(self):
-        model = self.policy
-        params = dict(model.named_parameters())
-        pairs = Pairs("peft-adapters")
-        for ref, src in _pairs(model, self.train_adapter, self.reference_adapter):
-            pairs.add(ref, functools.partial(_data, params[ref]), functools.partial(_data, params[src]))
-            pairs.sharded |= hasattr(params[ref].data, "_local_tensor")  # FSDP2: the adapters are sharded too
-        return pairs
-
-    def __repr__(self) -> str:
-        return (f"AdapterSyncer(train={self.train_adapter!r}, reference={self.reference_adapter!r}, "
-                f"every={self.every}, overlap={self.overlap}, step={self._step})")
-
-
-class _Same(nn.Module):
-    """Placeholder reference (the base class refuses ``policy is reference``); holds no parameters."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.__dict__["target"] = model  # not a submodule
-
-
-def _data(p):
+def local_data(p):
     """The rank-local data of a parameter: a replica (plain, DDP) or the local shard of an FSDP2 DTensor (both
     adapters live in the same modules, so they are sharded alike)."""
     return _local(p.data)

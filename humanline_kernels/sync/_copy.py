@@ -1,10 +1,10 @@
 """Grouped multi-tensor copy: one launch per (target device, source device, source dtype, target dtype) group.
 
-On CUDA a same-device, same-dtype group is copied by the copy engines (``COPY_ENGINE``, below); a casting group by
+On CUDA a same-device, same-dtype group is copied by the copy engines (``copy_engine``, below); a casting group by
 the csrc/ kernel (16-byte vector accesses, hundreds of tensors per launch, casts fused) when it is built
 (``setup.py``) or can be JIT-built from a source checkout; otherwise ``torch._foreach_copy_``, whose fast path is
-also a single multi-tensor kernel per group when all sources share one dtype (which grouping guarantees). Set
-``HUMANLINE_SYNC_KERNEL=0`` to never use or build the extension (the copy engines then copy tensor by tensor).
+also a single multi-tensor kernel per group when all sources share one dtype (which grouping guarantees).
+``use_kernel=False`` never uses or builds the extension (the copy engines then copy tensor by tensor).
 
 A group is issued on the stream of its *stream device*: the target's device, or the source's when the target
 is on the CPU and the source on CUDA (a CPU-offloaded reference, as verl's and FSDP's ``CPUOffload`` keep it). Such
@@ -13,6 +13,7 @@ a device-to-host copy is then ordered on that CUDA device's streams like any oth
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 
@@ -21,16 +22,6 @@ import torch
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ext = None
 _ext_tried = False
-# Same-device, same-dtype CUDA groups go to the copy engines (issue 54, target 3): with the extension one
-# cudaMemcpyBatchAsync a group, hinted to overlap with compute; without it ``copy_`` per tensor (cudaMemcpyAsync,
-# also the copy engines: run 7's probe). Measured against the kernel, an overlapped bf16 sync under bench sync's GEMM
-# chain: H200 +0.77 % against +1.62 % (run 7), +1.49 % against +2.03 % (run 8); H100 (run 8, two runs) +2.21 / +3.46 %
-# against +2.33 / +4.00 %; the e2e step 1.006x against 1.011x (H200) and 1.011x against 1.017x (H100) offline_ref.
-# Never worse, so the default.
-# What the copy still costs is the memory system's, not SMs' (run 8's clock probe, H100 and H200: the GEMMs lose ~80 %
-# of a copy's own time whether the copy engines or a kernel copy). Casting groups keep the kernel.
-# HK_SYNC_COPY_ENGINE=0 at import (or the attribute set at run time, as bench sync / e2e do) selects the kernel.
-COPY_ENGINE = os.environ.get("HK_SYNC_COPY_ENGINE", "1") != "0"
 
 
 def load_extension(build: bool = True):
@@ -39,11 +30,10 @@ def load_extension(build: bool = True):
     if _ext is not None or _ext_tried:
         return _ext
     _ext_tried = True
-    if os.environ.get("HUMANLINE_SYNC_KERNEL", "1") == "0" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return None
-    try:
-        from humanline_kernels import _sync_cuda  # built by setup.py
-        _ext = _sync_cuda
+    try:  # the compiled module setup.py builds beside the package's Python files, when it builds one
+        _ext = importlib.import_module("humanline_kernels._sync_cuda")
         return _ext
     except ImportError:
         pass
@@ -72,9 +62,15 @@ def _nbytes(d, s) -> int:
 
 
 class CopyPlan:
-    """``dsts[i].copy_(srcs[i])`` for all i, grouped so that each group is one multi-tensor launch."""
+    """``dsts[i].copy_(srcs[i])`` for all i, grouped so that each group is one multi-tensor launch.
 
-    def __init__(self, dsts, srcs, use_kernel: bool | None = None):
+    ``use_kernel``: the csrc/ extension when available (None), required (True) or never used nor built (False).
+    ``copy_engine``: same-device, same-dtype CUDA groups go to the copy engines (the extension's one
+    ``cudaMemcpyBatchAsync`` a group, hinted to overlap with compute, or ``copy_`` per tensor without it), which
+    take no SMs from the compute beside the copy; False copies them with the kernel too. Casting groups always take
+    the kernel (or ``torch._foreach_copy_``)."""
+
+    def __init__(self, dsts, srcs, use_kernel: bool | None = None, copy_engine: bool = True):
         groups: dict = {}
         for d, s in zip(dsts, srcs):
             if d.numel() == 0:
@@ -87,6 +83,7 @@ class CopyPlan:
             g[1].append(s)
         self.groups = groups
         self.use_kernel = use_kernel
+        self.copy_engine = copy_engine
 
     def split(self, n: int) -> list[CopyPlan]:
         """``n`` plans that together copy what this one copies, each about ``1/n`` of the bytes (read + written), in
@@ -123,7 +120,7 @@ class CopyPlan:
                 a = b
                 while k < n - 1 and done >= share_end(k):  # a whole pair may fill several shares
                     k += 1
-        return [CopyPlan(ds, ss, use_kernel=self.use_kernel) for ds, ss in parts]
+        return [CopyPlan(ds, ss, use_kernel=self.use_kernel, copy_engine=self.copy_engine) for ds, ss in parts]
 
     @staticmethod
     def stream_device(key):
@@ -140,7 +137,7 @@ class CopyPlan:
             if self.stream_device(key) != device:
                 continue
             dd, sd, st, dt = key
-            if COPY_ENGINE and dd == sd and dd.type == "cuda" and st == dt:
+            if self.copy_engine and dd == sd and dd.type == "cuda" and st == dt:
                 ext = load_extension() if self.use_kernel is not False else None
                 if getattr(ext, "multi_tensor_copy_engine", None) and all(
                         t.is_contiguous() for t in d + s):  # an extension built before it has no batched copy

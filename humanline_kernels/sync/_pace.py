@@ -13,11 +13,9 @@ so gradient accumulation, activation checkpointing (forwards run twice) and modu
 after one step. A step that sees fewer than ``n - 1`` points warns once (``sync()``, a compiled policy): its parts
 are issued together.
 
-Why: a copy beside compute-bound GEMMs costs them most of the copy's own time, whoever copies (run 8's clock probe:
-78-87 %, the memory system's); issued in 15 slices through a GEMM chain it cost about half (run 8's pace probe:
-+0.81 % against +1.76 % at once on an H100, +1.12 % against +1.96 % on an H200). Through the policy's hooks it
-did not pay on an H200 (run 9: ``bench sync`` +1.08 % against +0.97 % at once, ``bench e2e`` 195.2 against 194.7 ms
-a step; docs/sync.md), so ``slices`` stays 1 by default.
+Why: a copy beside compute-bound GEMMs costs them most of the copy's own time, whoever copies (the memory
+system's, not the SMs'), and spread through the step it costs them less. It is not the default (``slices=1``): the
+runs that timed it through a policy's hooks found no gain (docs/sync.md; bench/NOTES.md has their numbers).
 """
 from __future__ import annotations
 

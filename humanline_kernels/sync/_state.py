@@ -566,7 +566,7 @@ def _policy_tensors(lookahead):
 
 
 def _is_adapter_syncer(syncer):
-    from ._adapters import AdapterSyncer
+    from ._syncer import AdapterSyncer
     return isinstance(syncer, AdapterSyncer)
 
 

@@ -21,6 +21,7 @@ memory system changes.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -28,12 +29,13 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ._backends import collect_pairs
+from ._adapters import adapter_pairs, ensure_reference_adapter, local_data
+from ._backends import Pairs, collect_pairs
 from ._copy import CopyPlan
 from ._pace import _Pace
 
 
-def check_options(*, every=1, overlap=True, use_kernel=None, slices=1):
+def check_options(*, every=1, overlap=True, use_kernel=None, slices=1, copy_engine=True):
     """The schedule's options, checked before anything is built or written: by the syncer, its adapter form (before
     it adds the reference adapter) and ``HumanlineSyncCallback`` (at construction). A flag is a bool, not something
     ``bool()`` would turn into one (``overlap="no"`` is true)."""
@@ -45,6 +47,8 @@ def check_options(*, every=1, overlap=True, use_kernel=None, slices=1):
         raise ValueError(f"use_kernel must be None, True or False, got {use_kernel!r}")
     if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
         raise ValueError(f"slices must be a positive int, got {slices!r}")
+    if not isinstance(copy_engine, bool):
+        raise ValueError(f"copy_engine must be a bool, got {copy_engine!r}")
 
 
 class ReferenceSyncer:
@@ -66,15 +70,18 @@ class ReferenceSyncer:
         every: sync every ``every`` optimizer steps (step t syncs when ``t % every == 0``).
         overlap: on CUDA, run the copy on a side stream ordered by events; otherwise on the current stream.
         use_kernel: ``None`` (auto: the csrc/ kernel when built or JIT-buildable, else ``torch._foreach_copy_``),
-            ``True`` (require it) or ``False`` (always ``_foreach_copy_``).
+            ``True`` (require it) or ``False`` (always ``_foreach_copy_``; the extension is never built).
+        copy_engine: on CUDA, same-device copies without a cast go to the copy engines (``True``, the default:
+            they take no SMs from the compute the copy overlaps); ``False`` copies them with the kernel (or
+            ``_foreach_copy_``) as the casting ones (docs/sync.md, "How the copy runs").
         slices: issue ``start()``'s copy in this many parts spread through the policy's forward and backward
             (hooks on its leaf modules; see the module docstring) instead of all at once. 1 (the default): at once.
             Eager models only: a compiled or graph-captured policy counts no point, so its copy goes at once.
     """
 
     def __init__(self, policy: nn.Module, reference: nn.Module, every: int = 1, overlap: bool = True,
-                 use_kernel: bool | None = None, slices: int = 1):
-        check_options(every=every, overlap=overlap, use_kernel=use_kernel, slices=slices)
+                 use_kernel: bool | None = None, slices: int = 1, copy_engine: bool = True):
+        check_options(every=every, overlap=overlap, use_kernel=use_kernel, slices=slices, copy_engine=copy_engine)
         for name, m in (("policy", policy), ("reference", reference)):
             if not isinstance(m, nn.Module):
                 raise ValueError(f"{name} must be a torch.nn.Module (plain, DDP, FSDP or DeepSpeed-wrapped), got "
@@ -85,6 +92,7 @@ class ReferenceSyncer:
         self.every = every
         self.overlap = overlap
         self.use_kernel = use_kernel
+        self.copy_engine = copy_engine
         self._step = 0
         self._started = False     # a copy was launched in the current step
         self._aborted = False     # a step failed after its copy was launched: see abort()
@@ -296,19 +304,56 @@ class ReferenceSyncer:
             got = self._pairs.resolve(late)
             if got is None:
                 raise RuntimeError("reference/policy parameter pairs changed while being collected")
-        return CopyPlan(*got, use_kernel=self.use_kernel)
+        return CopyPlan(*got, use_kernel=self.use_kernel, copy_engine=self.copy_engine)
 
     @classmethod
     def for_adapters(cls, peft_model: nn.Module, train: str = "default", reference: str = "reference",
-                     every: int = 1, overlap: bool = True, use_kernel: bool | None = None):
+                     every: int = 1, overlap: bool = True, use_kernel: bool | None = None, copy_engine: bool = True):
         """Humanline sync between two adapters of one PEFT model: the reference is a frozen copy of the trained
         adapter, so no second base model is held and a sync copies adapter weights only. See
         :mod:`humanline_kernels.sync._adapters`; run reference forwards under :func:`hk.reference_adapter`."""
-        from ._adapters import AdapterSyncer
         return AdapterSyncer(peft_model, train=train, reference=reference, every=every, overlap=overlap,
-                             use_kernel=use_kernel)
+                             use_kernel=use_kernel, copy_engine=copy_engine)
 
     def __repr__(self) -> str:
         backend = self._pairs.backend if self._pairs is not None else "?"
         return (f"ReferenceSyncer(every={self.every}, overlap={self.overlap}, step={self._step}, "
                 f"backend={backend})")
+
+
+class AdapterSyncer(ReferenceSyncer):
+    """``ReferenceSyncer`` whose reference is the adapter ``reference`` of ``peft_model`` and whose policy is the
+    adapter ``train`` (same protocol: ``start()``, ``wait()``, ``sync()``, ``state_dict()``). Built by
+    :meth:`ReferenceSyncer.for_adapters`, which calls :func:`ensure_reference_adapter` first."""
+
+    def __init__(self, peft_model: nn.Module, train: str = "default", reference: str = "reference", every: int = 1,
+                 overlap: bool = True, use_kernel: bool | None = None, copy_engine: bool = True):
+        # before the adapter is added
+        check_options(every=every, overlap=overlap, use_kernel=use_kernel, copy_engine=copy_engine)
+        peft_model = ensure_reference_adapter(peft_model, train, reference)
+        # the syncer's policy/reference are the same module: the pairs come from the adapter names instead
+        super().__init__(peft_model, _Same(peft_model), every=every, overlap=overlap, use_kernel=use_kernel,
+                         copy_engine=copy_engine)
+        self.train_adapter, self.reference_adapter = train, reference
+
+    def _collect(self):
+        model = self.policy
+        params = dict(model.named_parameters())
+        pairs = Pairs("peft-adapters")
+        for ref, src in adapter_pairs(model, self.train_adapter, self.reference_adapter):
+            pairs.add(ref, functools.partial(local_data, params[ref]), functools.partial(local_data, params[src]))
+            pairs.sharded |= hasattr(params[ref].data, "_local_tensor")  # FSDP2: the adapters are sharded too
+        return pairs
+
+    def __repr__(self) -> str:
+        return (f"AdapterSyncer(train={self.train_adapter!r}, reference={self.reference_adapter!r}, "
+                f"every={self.every}, overlap={self.overlap}, step={self._step})")
+
+
+class _Same(nn.Module):
+    """Placeholder reference (the base class refuses ``policy is reference``); holds no parameters."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.__dict__["target"] = model  # not a submodule
+

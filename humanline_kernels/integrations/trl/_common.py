@@ -83,8 +83,8 @@ def _no_trl_reference(trainer, trl_module):
 
 # transformers 5.17-5.22 (Trainer._load_from_checkpoint): when a checkpoint holds adapters in subfolders (a PEFT
 # policy with humanline's "ref" adapter always does), only those are loaded, not the trained one at its root, so the
-# resumed policy is the initial adapter (run 6, the GPU image's 5.17: our fingerprint check refused the resume).
-# 5.23 loads the root adapter too; before it, we do.
+# resumed policy is the initial adapter (our fingerprint check refuses the resume). 5.23 loads the root adapter too;
+# before it, we do.
 _ROOT_ADAPTER_LOADED = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 23)
 _ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from trl import DPOTrainer
 from trl.trainer import dpo_trainer as _dpo_module
 
-from ... import _validation as V
-from ... import losses
+from ... import _validation, losses
 from ..._layout import Packed
 from ..._params import DPO
 from ...losses import _weighted_sum
@@ -86,7 +85,7 @@ def dpo_objective(name, args, clip, fused):
     ``clip`` and ``fused``, and build its :class:`DPOObjective`; a ``ValueError`` names what cannot be honoured."""
     ls, rpo_alpha = args.label_smoothing, getattr(args, "rpo_alpha", None)
     try:  # the loss's own checks (WPO's input is the head's: checked below)
-        types, weights = V.check_dpo_options(
+        types, weights = _validation.check_dpo_options(
             None, clip=clip, beta=args.beta, label_smoothing=ls, loss_type=list(args.loss_type),
             loss_weights=args.loss_weights, rpo_alpha=rpo_alpha, f_divergence_type=args.f_divergence_type,
             f_alpha_divergence_coef=args.f_alpha_divergence_coef, ld_alpha=args.ld_alpha,

@@ -35,7 +35,7 @@ from trl.trainer.utils import (
 )
 
 from ... import losses
-from ...ops.constants import GRPO_LOSS_TYPES
+from ..._params import GRPO_LOSS_TYPES
 from ...reference import adaptive_entropy_coef
 from .._head import supervised_rows
 from ..transformers import LookaheadTrainerMixin

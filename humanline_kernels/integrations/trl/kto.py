@@ -15,8 +15,7 @@ import torch
 from trl import KTOTrainer
 from trl.trainer import kto_trainer as _kto_module
 
-from ... import _validation as V
-from ... import losses
+from ... import _validation, losses
 from ._common import HumanlineMixin, StepStats, _lookahead_init, _precheck_common
 from ._layouts import SUPERVISED, LayoutCollator, last_positions, supervised_key
 from .config import HumanlineKTOConfig, hk_settings
@@ -38,7 +37,7 @@ class HumanlineKTOTrainer(HumanlineMixin, KTOTrainer):
         _precheck_common(name, args, model, peft_config, self.hk_humanline)
         self.hk_kl_estimate = "halos" if self.hk_humanline else "trl"
         try:
-            V.check_kto_options(loss_type=args.loss_type, kl_estimate=self.hk_kl_estimate, has_kl_rows=False)
+            _validation.check_kto_options(loss_type=args.loss_type, kl_estimate=self.hk_kl_estimate, has_kl_rows=False)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         with _lookahead_init(self, args, ref_model, _kto_module):

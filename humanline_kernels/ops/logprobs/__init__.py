@@ -1,1 +1,0 @@
-"""Selected-token log-probs and their backward: :mod:`.kernel` (Triton) and :mod:`.eager` (its twin)."""

@@ -1,1 +1,0 @@
-"""Per-token humanline terms in the log-prob pass: :mod:`.kernel` (Triton) and :mod:`.eager` (its twin)."""
