@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import humanline_kernels as hk
 from humanline_kernels.demo import arms, canary, cli, experiment, record, stats, task
 
 
@@ -62,6 +63,28 @@ def test_grpo_offline_arms_sample_less_often(arm, calls, monkeypatch):
     assert len(seen) == calls and all(r["seqs"].shape[0] == 8 for r in rows)
     if arm != "online":  # one draw of three steps' examples, consumed in order
         assert seen == [24, 24] and not torch.equal(rows[0]["seqs"], rows[1]["seqs"])
+
+
+@pytest.mark.parametrize("objective", arms.OBJECTIVES)
+def test_humanline_arm_differs_from_offline_by_the_sync_and_the_clamp_only(objective, monkeypatch):
+    """With a band that clamps nothing and no sync after the first step (which copies the starting policy onto
+    itself), the offline+humanline arm is the offline arm bit for bit: the same data, reference, KL rows and
+    learning rate (GRPO: drawn once, so the sampler is the starting policy, as the reference is). Syncing every
+    step makes it differ: what separates the arms in the record is the sync and the clamp, nothing else."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the eager CPU path the demo runs
+    gen = torch.Generator().manual_seed(0)
+    start, behaviour = task.make_model(0, "cpu"), task.make_model(1, "cpu")
+    pool = arms.offline_pool(behaviour, 32, gen, "cpu") if objective != "grpo" else None
+    common = dict(start=start, pool=pool, lr=3e-3, seed=0, steps=4, batch=8, resample_every=4, device="cpu",
+                  eval_every=2, eval_n=16, curve_n=16)
+    off = arms.train_arm("offline", objective, clip=None, sync_every=1, **common)
+    wide = hk.HumanlineClip(-100.0, 100.0)
+    never = arms.train_arm("offline+humanline", objective, clip=wide, sync_every=1000, **common)
+    assert never["syncs"] == 1 and never["clip_frac"] == 0.0
+    assert never["losses"] == off["losses"] and never["curve"] == off["curve"]
+    assert (never["heldout"], never["report"]) == (off["heldout"], off["report"])
+    synced = arms.train_arm("offline+humanline", objective, clip=wide, sync_every=1, **common)
+    assert synced["syncs"] == 4 and synced["losses"][0] == off["losses"][0] and synced["losses"] != off["losses"]
 
 
 def _run(**kw):
