@@ -2,8 +2,8 @@
 
 Suites: logits, linear, sync, host, e2e, checkpoint, tune (each prints a table and writes JSON + PNG into ``--out``,
 default ``bench/out/``; ``--quick`` is a CPU smoke run) and gpu (every check and benchmark on a GPU machine, see
-docs/kernels.md); report prints README's Benchmarks section for committed runs (``--readme`` rewrites README's
-generated blocks). ``python -m bench SUITE --help`` for a suite's flags.
+docs/kernels.md); report prints the benchmark tables for committed runs (``--readme`` rewrites the generated blocks
+of README.md and docs/benchmarks.md). ``python -m bench SUITE --help`` for a suite's flags.
 """
 import importlib
 import sys
@@ -18,7 +18,7 @@ SUITES = {"logits": ("bench.bench_logits", "logits path: token log-probs and fus
                          "checkpoint size and time with the humanline reference, schedule only, and stock"),
           "tune": ("bench.bench_tune", "launch configurations timed on this GPU: the table the launchers read"),
           "gpu": ("bench.bench_gpu", "GPU machine: GPU tests, parity at N=8192 V=128256, demo, all benchmarks"),
-          "report": ("bench.report", "README's generated sections from committed runs (print, --readme, --check)")}
+          "report": ("bench.report", "the generated pages' numbers from committed runs (print, --readme, --check)")}
 
 
 def _usage() -> str:

@@ -1,25 +1,29 @@
-"""``python -m bench report RUN [RUN ...] [--readme [PATH]] [--check [PATH]]``: README's generated sections.
+"""``python -m bench report RUN [RUN ...] [--readme [PATH]] [--check [PATH]]``: the generated pages' numbers.
 
-README's numbers come from committed runs, never from a hand: two blocks of README are generated, each between
-markers that name its source:
+The numbers of README.md and docs/benchmarks.md come from committed runs, never from a hand: their blocks between
+markers that name the sources are written here.
 
-* ``<!-- benchmarks: RUN ... -->`` ... ``<!-- /benchmarks -->``: the Benchmarks section, from committed GPU runs
-  (``bench/results/<run>``): logits path, fused linear, supervised tokens, reference sync, end to end and host, each
-  a table of ours against every peer measured in the same run, with the card, the versions and the shapes, and the
-  run's plot. Each section comes from the first RUN, in the order given (newest first), that holds its JSON; one
-  that no RUN holds says so.
-* ``<!-- demo-table: PATH -->`` ... ``<!-- /demo-table -->``: the demo's table, from the record that
-  ``python -m humanline_kernels.demo --save PATH`` writes (``humanline_kernels.demo.readme_block``).
+* ``<!-- benchmarks: RUN ... -->`` (docs/benchmarks.md): from committed GPU runs (``bench/results/<run>``), the
+  logits path, fused linear, supervised tokens, reference sync, end to end and host, each a table of ours against
+  every peer measured in the same run, with the card, the versions and the shapes, and the run's plot. Each section
+  comes from the first RUN, in the order given (newest first), that holds its JSON; one that no RUN holds says so.
+  Rows of a path a measurement retired stay in the JSON.
+* ``<!-- headline: RUN ... -->`` (README): one table, per measure our best against the best peer, from the calls
+  the benchmarks section shows for the same runs (:func:`headline`).
+* ``<!-- demo-table: PATH -->`` (README) and ``<!-- demo-runs: PATH -->`` (docs/benchmarks.md): the demo's default
+  runs, and every run of the record, from the record that ``python -m humanline_kernels.demo --save PATH`` writes
+  (:func:`demo_block`, :func:`demo_runs`).
 
-``python -m bench report RUN ...`` prints the Benchmarks section for those runs; ``--readme`` rewrites README's
-blocks (the Benchmarks block from the RUNs given, or from the runs its marker names when none is given);
-``--check`` exits 1 with a diff when README's blocks are not what the script writes (tests/test_readme.py checks
+``python -m bench report RUN ...`` prints the benchmarks section for those runs; ``--readme`` rewrites the pages'
+blocks (the benchmark blocks from the RUNs given, or from the runs their markers name when none is given);
+``--check`` exits 1 with a diff when a page's blocks are not what the script writes (tests/test_readme.py checks
 the same in CI). Paths are relative to the project's root.
 """
 from __future__ import annotations
 
 import difflib
 import glob
+import importlib
 import json
 import os
 import re
@@ -28,8 +32,8 @@ import sys
 from .cli import Parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
-BLOCK = re.compile(r"<!-- (benchmarks|demo-table): ([^>]*?) -->\n(.*?)<!-- /\1 -->", re.S)
+PAGES = ("README.md", "docs/benchmarks.md")  # the pages with generated blocks, from the project's root
+BLOCK = re.compile(r"<!-- (benchmarks|headline|demo-table|demo-runs): ([^>]*?) -->\n(.*?)<!-- /\1 -->", re.S)
 
 
 # ------------------------------------------------------------------------------------------------- formatting
@@ -79,8 +83,16 @@ def _plot(run, name, alt):
 
 
 # --------------------------------------------------------------------------------------------------- sections
+# the rows of a path a measurement retired (bench logits' ``hk.fused[previous]``) stay in the JSON, out of the tables
+RETIRED = "[previous]"
+
+
+def _current(rows, key="impl"):
+    return [r for r in rows if RETIRED not in r[key]]
+
+
 def _logits_table(d):
-    rows = d["rows"]
+    rows = _current(d["rows"])
     vocabs = sorted({r["V"] for r in rows})
     top = vocabs[-1]
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -109,24 +121,31 @@ def _logits(d, run, quack=""):
             f"median time and its ratio to the 3-pass floor (the logits read in the forward, read and written in the "
             f"backward, at the copy bandwidth measured in the same run, {m['copy_bandwidth_TBps']:.2f} TB/s; rows "
             f"that form the gradient in the forward against the 2-pass floor); peak memory beyond the inputs, the "
-            f"gradient of the logits included.\n\n{_logits_table(d)}")
+            f"gradient of the logits included"
+            + (" (the rows of retired paths, `hk.fused[previous]`, are in the run's JSON only)"
+               if len(_current(d["rows"])) < len(d["rows"]) else "")
+            + f".\n\n{_logits_table(d)}")
     text += f"\n\n{quack}" if quack else ""
     return text + _plot(run, "logits", "logits path: ratio to the floor by vocabulary")
 
 
-def _quack(runs, logits_run):
+def _quack_call(runs):
     """quack's rows (a call of their own, its wheels' carry: ``quack/logits.json``) from the newest run that has
-    them, so that a newer logits run without quack keeps the peer in view, labelled with its own run."""
+    them, so that a newer logits run without quack keeps the peer in view: ``(run, data)`` or None."""
     for run in runs:
         q = _load(run, os.path.join("quack", "logits.json"))
         if q is not None:
-            when = ("in a second call on the same machine" if run == logits_run else
-                    "in an earlier run, with ours beside it in the same call")
-            where = _where(q["env"], run + "/quack")
-            bw = q["meta"]["copy_bandwidth_TBps"]
-            return (f"quack beside ours and Liger, measured {when}, with its own floors ({where}; copy bandwidth "
-                    f"{bw:.2f} TB/s):\n\n{_logits_table(q)}")
-    return ""
+            return run, q
+    return None
+
+
+def _quack(run, q, logits_run):
+    when = ("in a second call on the same machine" if run == logits_run else
+            "in an earlier run, with ours beside it in the same call")
+    where = _where(q["env"], run + "/quack")
+    bw = q["meta"]["copy_bandwidth_TBps"]
+    return (f"quack beside ours and Liger, measured {when}, with its own floors ({where}; copy bandwidth "
+            f"{bw:.2f} TB/s):\n\n{_logits_table(q)}")
 
 
 def _linear(d, run):
@@ -280,37 +299,196 @@ def _find(run, files):
     return None
 
 
-def render(runs):
-    """The Benchmarks section for ``runs`` (paths relative to the project's root, newest first)."""
-    parts = []
-    for title, files, fmt in SECTIONS:
-        if title == "reference sync":  # each of its files from the newest run that has it (a run may skip some)
-            found = {f: next(((d, r) for r in runs if (d := _load(r, f)) is not None), None) for f in files}
-            if any(found.values()):
-                parts.append(fmt(found, None))
-                continue
+def shown(runs):
+    """The calls the Benchmarks section shows for ``runs`` (newest first), by section title: a list of ``(run,
+    data)``, the section's own call first (logits path: then quack's call; end to end: then the older runs with
+    arms the newer ones lack); reference sync: ``{file: (data, run) or None}``, each file from the newest run that
+    has it (a run may skip some)."""
+    out = {}
+    for title, files, _ in SECTIONS:
+        if title == "reference sync":
+            out[title] = {f: next(((d, r) for r in runs if (d := _load(r, f)) is not None), None) for f in files}
+            continue
+        out[title] = []
         for k, run in enumerate(runs):
             d = _find(run, files)
             if d is not None:
-                parts.append(_logits(d, run, _quack(runs[k:], run)) if fmt is _logits else fmt(d, run))
-                if title == "end to end":  # arms the newest run left out (the TRL arms) from the newest that has them
-                    parts += _older_e2e(d, runs[k + 1:], files)
+                out[title].append((run, d))
+                if title == "logits path" and (q := _quack_call(runs[k:])):
+                    out[title].append(q)
+                if title == "end to end":
+                    out[title] += _older_e2e(d, runs[k + 1:], files)
                 break
+    return out
+
+
+def render(runs):
+    """The Benchmarks section for ``runs`` (paths relative to the project's root, newest first)."""
+    parts, calls = [], shown(runs)
+    for title, _, fmt in SECTIONS:
+        found = calls[title]
+        if title == "reference sync" and any(found.values()):
+            parts.append(fmt(found, None))
+        elif title == "logits path" and found:
+            (run, d), quack = found[0], found[1:]
+            parts.append(_logits(d, run, _quack(*quack[0], run) if quack else ""))
+        elif title == "end to end" and found:
+            parts.append(_e2e(found[0][1], found[0][0]))
+            parts += ["An earlier run with arms the one above lacks (its whole table, its own baselines):\n\n"
+                      + _e2e(d, run) for run, d in found[1:]]
+        elif found and title != "reference sync":
+            parts.append(fmt(found[0][1], found[0][0]))
         else:
             parts.append(f"**{title[0].upper() + title[1:]}**: not measured in {', '.join(f'`{r}`' for r in runs)}.")
     return "\n\n".join(_wrap(p) for p in parts if p)
 
 
 def _older_e2e(newest, older, files):
-    """The e2e tables of older runs, newest first, each for the arms that no newer run shown has measured."""
+    """The e2e calls of older runs, newest first, each with arms that no newer run shown has measured."""
     seen, out = {r["arm"] for r in newest["rows"]}, []
     for run in older:
         d = _find(run, files)
         if d is not None and {r["arm"] for r in d["rows"]} - seen:
-            out.append("An earlier run with arms the one above lacks (its whole table, its own baselines):\n\n"
-                       + _e2e(d, run))
+            out.append((run, d))
             seen |= {r["arm"] for r in d["rows"]}
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- headline
+def _at(rows, key, value):
+    return [r for r in rows if r.get(key) == value]
+
+
+def _dtype(d):
+    dtype = d["meta"].get("dtype", "").replace("torch.", "")
+    return {"dtype": {"bf16": "bfloat16"}.get(dtype, dtype)}
+
+
+def _logits_rows(d):
+    vocab = 128256 if any(r["V"] == 128256 for r in d["rows"]) else max(r["V"] for r in d["rows"])
+    # across calls (quack's has its own floors) a row is judged by its ratio to the floor measured with it
+    return [(r["impl"], r["ms"], None, r["ratio_2pass"] if r["floor_passes"] == 2 else r["ratio_3pass"])
+            for r in _at(_current(d["rows"]), "V", vocab) if r.get("ms")], {"V": vocab, **_dtype(d)}
+
+
+def _linear_rows(d):
+    return [(r["impl"], r["ms"], r.get("peak_extra_GiB"), r["ms"]) for r in d["rows"] if r.get("ms")], _dtype(d)
+
+
+def _masks_rows(d):
+    pct = max(r["ignored_pct"] for r in d["rows"])
+    rows = [(r["impl"], r["ms"], None, r["ms"]) for r in _at(d["rows"], "ignored_pct", pct) if r.get("ms")]
+    return rows, {"pct": pct, **_dtype(d)}
+
+
+def _copy_rows(d):
+    src, dst = d["rows"][0]["src"], d["rows"][0]["dst"]
+    rows = [r for r in d["rows"] if (r["src"], r["dst"]) == (src, dst)]
+    return [(r["impl"], r["TB/s"], None, r["TB/s"]) for r in rows], {"src": src, "dst": dst,
+                                                                      "params": rows[0]["params"] / 1e9}
+
+
+def _added_rows(d):
+    return [(r["impl"], r["added_pct"], None, r["added_pct"]) for r in d["rows"] if r.get("added_pct") is not None], {}
+
+
+def _e2e_rows(d):
+    rows = [(r["arm"], r["ms"], r.get("peak_GiB"), r["ms"]) for r in d["rows"] if r.get("ms")]
+    return rows, {"params": d["meta"]["params"] / 1e9, **_dtype(d)}
+
+
+def _ours(impl):
+    return impl.startswith(("hk.", "hk ", "ours_", "ReferenceSyncer"))
+
+
+def _grpo_as_called(impl):
+    """``hk.fused.grpo`` with no option beyond how it runs (the gradient in the forward, in place): the default
+    loss, not another loss type or no clip."""
+    name, _, options = impl.partition("(")
+    return name == "hk.fused.grpo" and set(filter(None, options.rstrip(")").split(","))) <= {"grad_in_fwd",
+                                                                                              "inplace"}
+
+
+def _named(*names):
+    return lambda impl: impl in names
+
+
+def _prefixed(*prefixes):
+    return lambda impl: impl.startswith(prefixes)
+
+
+# Per measure: what it says (formatted with the call's meta and what its rows function adds), the section and file
+# it reads, its rows, which rows are ours and which are the peers', and which way is better: "time" (lower),
+# "bandwidth" (higher) or "added" (lower, a percentage of a step).
+HEADLINE = (
+    ("token log-probs from logits, fwd + bwd, N = {N}, V = {V}, {dtype}", "logits path", _logits_rows,
+     _prefixed("hk.token_logprobs"),
+     _prefixed("liger CE", "quack cross_entropy(none)", "torch.compile log_softmax", "eager fp32 log_softmax"), "time"),
+    ("GRPO loss from logits, fwd + bwd, N = {N}, V = {V}, {dtype}", "logits path", _logits_rows,
+     _grpo_as_called, _prefixed("liger triton_grpo_loss"), "time"),
+    ("DPO loss from hidden states and the lm_head weight, fwd + bwd, N = {N}, D = {D}, V = {V}, {dtype}",
+     "fused linear",
+     _linear_rows, _named("ours_dpo"), lambda i: i.endswith("_dpo") and not _ours(i), "time"),
+    ("KTO loss, the same", "fused linear", _linear_rows, _named("ours_kto"),
+     lambda i: i.endswith("_kto") and not _ours(i), "time"),
+    ("GRPO loss, the same", "fused linear", _linear_rows, _prefixed("ours_grpo"),
+     lambda i: "grpo" in i and not _ours(i), "time"),
+    ("DPO loss from hidden states, the first {pct} % of each row a prompt", "supervised tokens", _masks_rows,
+     _prefixed("ours_dpo"), lambda i: i.endswith("_dpo") and not _ours(i), "time"),
+    ("reference sync, {params:.2f} B parameters, {src} -> {dst}", ("reference sync", "sync_copy.json"), _copy_rows,
+     _ours, lambda i: not _ours(i), "bandwidth"),
+    ("the sync in an FSDP2 training step: time added to the step", ("reference sync", "sync_fsdp2.json"),
+     _added_rows, _named("step + overlapped sync"), _named("step + state_dict way"), "added"),
+    ("humanline DPO step end to end, a {params:.2f} B Llama, {dtype}", "end to end", _e2e_rows,
+     _named("sync", "sync_ce", "sync_paced", "lookahead", "trl_sync", "trl_lookahead"), _named("authors"), "time"),
+)
+
+
+def _value(v, extra, better):
+    if better == "bandwidth":
+        return f"{v:.2f} TB/s"
+    if better == "added":
+        return f"{v:+.1f} %"
+    return _ms(v) + ("" if extra is None else f", {extra:.2f} GiB peak")
+
+
+def _lead(ours, peer, better):
+    """Ours against the peer: how many times faster (or slower), the bandwidth, or how much less time added."""
+    if better == "bandwidth":
+        return f"{ours / peer:.2f}x the bandwidth"
+    if better == "added":
+        return f"{peer / ours:.0f}x less added" if ours > 0 else "none added"
+    return f"{peer / ours:.2f}x faster" if ours <= peer else f"{ours / peer:.2f}x slower"
+
+
+def headline(runs):
+    """README's headline table: per measure, the best peer's row against our best in the same call, from the calls
+    the Benchmarks section shows for ``runs``, with the card and the run. Where several calls hold both, the peer is
+    the best of all of them (on the logits path by its ratio to the floor measured with it)."""
+    calls = shown(runs)
+    body = []
+    for what, section, rows_of, is_ours, is_peer, better in HEADLINE:
+        if isinstance(section, tuple):
+            found = calls[section[0]].get(section[1])
+            candidates = [found[::-1]] if found else []
+        else:
+            candidates = calls[section]
+        picked = []
+        for run, d in candidates:
+            rows, extra = rows_of(d)
+            ours = [r for r in rows if is_ours(r[0])]
+            peers = [r for r in rows if is_peer(r[0])]
+            if ours and peers:
+                sign = -1 if better == "bandwidth" else 1
+                o, q = min(ours, key=lambda r: sign * r[3]), min(peers, key=lambda r: sign * r[3])
+                picked.append((sign * q[3], run, d, extra, o, q))
+        if not picked:
+            continue
+        _, run, d, extra, o, q = min(picked, key=lambda p: p[0])
+        meta = {**{k: v for k, v in d.get("meta", {}).items() if not isinstance(v, (dict, list))}, **extra}
+        body.append([what.format(**meta), d["env"]["device"], f"`{o[0]}` {_value(o[1], o[2], better)}",
+                     f"`{q[0]}` {_value(q[1], q[2], better)}", _lead(o[1], q[1], better), f"`{run}`"])
+    return _table(["measure", "card", "ours", "best peer", "ours against it", "run"], body)
 
 
 def _wrap(text):
@@ -322,27 +500,129 @@ def _wrap(text):
 
 
 def blocks(text):
-    """README's generated blocks: ``[(kind, argument string, content, match)]``."""
+    """A page's generated blocks: ``[(kind, argument string, content, match)]``."""
     return [(m.group(1), m.group(2).strip(), m.group(3), m) for m in BLOCK.finditer(text)]
 
 
-def expected(kind, arg):
-    """What a block of ``kind`` with marker argument ``arg`` holds."""
-    if kind == "benchmarks":
-        return render(arg.split())
+# ------------------------------------------------------------------------------------------------------- demo
+def _demo(name):
     sys.path.insert(0, ROOT)  # the demo of this checkout, installed or not
-    from humanline_kernels import demo
-    with open(os.path.join(ROOT, arg), encoding="utf-8") as f:
-        return demo.readme_block(json.load(f), arg, ROOT)
+    return importlib.import_module(f"humanline_kernels.demo.{name}")
 
 
-def regenerate(text, runs=None):
-    """``text`` (README) with every generated block rewritten; the Benchmarks block from ``runs`` when given."""
+def _default_runs(rec):
+    return [e for e in rec["runs"] if not e["flags"] and not e["env"]]
+
+
+def _demo_header(rec, record_path):
+    """The default runs' command, machine (the CPU model among it), commit, settings and wall times."""
+    main = _default_runs(rec)
+    first = main[0]
+    s, m = first["settings"], first["machine"]
+    where = (f"{m['device'].upper()}" + (f" {m['cpu_capability']}" if m["cpu_capability"] else "")
+             + (f" ({m['cpu']})" if m.get("cpu") else "")
+             + f", {m['cores']} cores, {m['processes']} processes, torch {m['torch']}, transformers "
+             f"{m['transformers']}")
+    commit = f"at commit {first['commit']}" + (" with local changes" if first["dirty"] else "") \
+        if first["commit"] else "outside a git checkout"
+    same = all(e["machine"] == m and e["commit"] == first["commit"] for e in main)
+    lrs = ", ".join(f"{x:g}" for x in s["lrs"])
+    took = ", ".join(f"{e['objective'].upper()} {e['total_s']:.0f} s"
+                     + (f" ({e['cpu_s']:.0f} s)" if "cpu_s" in e else "") for e in main)
+    cpu = " (in parentheses the CPU time of all its processes)" if any("cpu_s" in e for e in main) else ""
+    return (f"What the default run measured (`python -m humanline_kernels.demo --objective all --save "
+            f"{record_path}`; {where}; {commit}{'' if same else ' (some rows elsewhere: see the record)'}; "
+            f"{s['steps']} steps x {s['batch']} sequences, learning rates {lrs}, {s['seeds']} seeds; rule rate of "
+            f"the policy's own samples on the reported prompts, mean +- s.e.; the starting policy is at "
+            f"{first['start']:.3f}, the behaviour model that wrote the offline data at {first['behaviour']:.3f}; "
+            f"wall time of each run, setup included{cpu}: {took}):")
+
+
+def _rounded_otherwise(rec):
+    """The record's default runs with ``ATEN_CPU_CAPABILITY`` alone set: ATen's other instruction sets on the same
+    CPU, standing in for another CPU's rounding."""
+    return [e for e in rec["runs"] if not e["flags"] and set(e["env"]) == {"ATEN_CPU_CAPABILITY"}]
+
+
+def demo_agreement(rec):
+    """How the default runs' table calls a comparison (:func:`humanline_kernels.demo.record.table` with
+    ``across``): above or below only when the runs rounded otherwise say so too. Empty when the record has none."""
+    alt = _rounded_otherwise(rec)
+    main = [e for e in _default_runs(rec) if any(a["objective"] == e["objective"] for a in alt)]
+    if not main:
+        return ""
+    caps = " and ".join(dict.fromkeys(a["machine"]["cpu_capability"] for a in alt))
+    envs = ", ".join(dict.fromkeys(f"`ATEN_CPU_CAPABILITY={a['env']['ATEN_CPU_CAPABILITY']}`" for a in alt))
+    only = ("" if len(main) == len(_default_runs(rec)) else
+            f" (the record repeats {' and '.join(e['objective'].upper() for e in main)} only)")
+    return (f"A comparison is called above or below only when the same default runs with ATen's {caps} kernels "
+            f"({envs}, on the same CPU: stand-ins for another CPU's rounding) find it too, at "
+            f"{_demo('stats').SIGNIFICANT:g} s.e. or more; otherwise it is not significant, and the cell gives each "
+            f"run's number{only}.")
+
+
+def demo_block(rec, record_path):
+    """README's demo section between its markers: the default runs' header (the CPU model among it), their table,
+    whether their conclusions hold under other rounding (:func:`demo_agreement`), and where the rest is."""
+    import textwrap
+    main = _default_runs(rec)
+    if not main:
+        return f"`{record_path}` holds no default run: rerun `python -m humanline_kernels.demo --objective all --save`."
+    out = [_demo_header(rec, record_path), "", _demo("record").table(main, _rounded_otherwise(rec))]
+    rest = (demo_agreement(rec) + " " if demo_agreement(rec) else "") + (
+        "Every run of the record, with flags or another environment, and the plots: "
+        "[docs/benchmarks.md](docs/benchmarks.md).")
+    out += ["", rest]
+    return "\n".join(textwrap.fill(p, 116, break_long_words=False, break_on_hyphens=False)
+                     if not p.startswith("|") else p for p in out)
+
+
+def demo_runs(rec, record_path):
+    """docs/benchmarks.md's demo section: the default runs' header and table, whether their conclusions hold under
+    other rounding, every other run of the record, and the plots beside the record."""
+    import textwrap
+    table = _demo("record").table
+    main, other = _default_runs(rec), [e for e in rec["runs"] if e["flags"] or e["env"]]
+    out = []
+    if main:
+        out += [_demo_header(rec, record_path), "", table(main, _rounded_otherwise(rec))]
+        if demo_agreement(rec):
+            out += ["", demo_agreement(rec)]
+    if other:
+        out += ["", "Other runs in the same record (the flags or environment shown, everything else the default):",
+                "", table(other)]
+    for objective in ("dpo", "kto", "grpo"):
+        png = os.path.join(os.path.dirname(record_path), f"demo-{objective}.png")
+        if os.path.exists(os.path.join(ROOT, png)):
+            out += ["", f"![{objective.upper()}: rule rate over training, each arm at its best learning rate]"
+                        f"({png})"]
+    return "\n".join(textwrap.fill(p, 116, break_long_words=False, break_on_hyphens=False)
+                     if p and not p.startswith(("|", "![")) else p for p in out)
+
+
+# ------------------------------------------------------------------------------------------------------ pages
+def expected(kind, arg, page="README.md"):
+    """What a block of ``kind`` with marker argument ``arg`` holds on ``page`` (links to the project's files made
+    relative to the page)."""
+    if kind == "benchmarks":
+        text = render(arg.split())
+    elif kind == "headline":
+        text = headline(arg.split())
+    else:
+        with open(os.path.join(ROOT, arg), encoding="utf-8") as f:
+            text = (demo_block if kind == "demo-table" else demo_runs)(json.load(f), arg)
+    up = "../" if os.path.basename(page) in ("benchmarks.md",) else ""  # docs/ pages link one level up
+    return re.sub(r"\]\((?=bench/|docs/)", f"]({up}", text) if up else text
+
+
+def regenerate(text, runs=None, page="README.md"):
+    """``text`` (the page ``page``) with every generated block rewritten; the benchmark blocks (``benchmarks``,
+    ``headline``) from ``runs`` when given."""
     out, last = [], 0
     for kind, arg, _, m in blocks(text):
-        if kind == "benchmarks" and runs:
+        if kind in ("benchmarks", "headline") and runs:
             arg = " ".join(runs)
-        out += [text[last:m.start()], f"<!-- {kind}: {arg} -->\n{expected(kind, arg)}\n<!-- /{kind} -->"]
+        out += [text[last:m.start()], f"<!-- {kind}: {arg} -->\n{expected(kind, arg, page)}\n<!-- /{kind} -->"]
         last = m.end()
     return "".join(out) + text[last:]
 
@@ -351,40 +631,49 @@ def main(argv=None):
     p = Parser(prog="python -m bench report", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="*", metavar="RUN",
                    help="committed GPU runs, newest first (e.g. bench/results/2026-11-26-h200)")
-    p.add_argument("--readme", nargs="?", const=README, default=None, metavar="PATH",
-                   help="rewrite README's generated blocks in place (default README.md)")
-    p.add_argument("--check", nargs="?", const=README, default=None, metavar="PATH",
-                   help="exit 1 with a diff when README's generated blocks differ from what this script writes")
+    p.add_argument("--readme", nargs="?", const="", default=None, metavar="PATH",
+                   help=f"rewrite the generated blocks of PATH in place (default: {' and '.join(PAGES)})")
+    p.add_argument("--check", nargs="?", const="", default=None, metavar="PATH",
+                   help=f"exit 1 with a diff when the generated blocks of PATH (default: {' and '.join(PAGES)}) "
+                   "differ from what this script writes")
     a = p.parse_args(argv)
     for run in a.runs:
         if not os.path.isdir(os.path.join(ROOT, run)):
             p.error(f"no run folder {run!r} (give a path relative to the project's root, e.g. bench/results/...)")
-    if a.readme or a.check:
-        path = a.readme or a.check
+    if a.readme is None and a.check is None:
+        if not a.runs:
+            p.error("give at least one run folder (or --readme / --check)")
+        print(render(a.runs))
+        return 0
+    given = a.readme if a.readme is not None else a.check
+    paths = [given] if given else [os.path.join(ROOT, page) for page in PAGES]
+    texts = {}
+    for path in paths:
         if not os.path.exists(path):
-            p.error(f"no README at {path!r}")
+            p.error(f"no page at {path!r}")
         with open(path, encoding="utf-8") as f:
-            text = f.read()
-        if not blocks(text):
-            p.error(f"{path} has no generated block (<!-- benchmarks: RUN ... --> or <!-- demo-table: PATH -->)")
-        new = regenerate(text, a.runs if a.readme else None)
-        if a.check:
+            texts[path] = f.read()
+        if not blocks(texts[path]):
+            p.error(f"{path} has no generated block (<!-- benchmarks|headline: RUN ... --> or "
+                    "<!-- demo-table|demo-runs: PATH -->)")
+    status = 0
+    for path, text in texts.items():
+        page = os.path.relpath(os.path.abspath(path), ROOT)
+        new = regenerate(text, a.runs if a.readme is not None else None, page)
+        if a.check is not None:
             if new != text:
                 sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True), path,
                                                            "generated"))
                 print(f"{path}: generated blocks differ (python -m bench report --readme rewrites them)",
                       file=sys.stderr)
-                return 1
-            print(f"{path}: generated blocks match their sources")
-            return 0
+                status = 1
+            else:
+                print(f"{path}: generated blocks match their sources")
+            continue
         with open(path, "w", encoding="utf-8") as f:
             f.write(new)
         print(f"wrote {path}")
-        return 0
-    if not a.runs:
-        p.error("give at least one run folder (or --readme / --check)")
-    print(render(a.runs))
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """humanline-kernels: fused kernels and cheap reference syncing for humanline DPO, KTO and GRPO.
 
-``import humanline_kernels as hk``; see README.md for the semantics and the three input levels.
+``import humanline_kernels as hk``; see README.md for the three input levels and docs/design.md for the semantics.
 """
 from __future__ import annotations
 

@@ -516,7 +516,7 @@ def test_each_refusal_names_a_test_of_it(page, line, arg, span):
 # ------------------------------------------------------------------------------------------ dtypes, launch counts
 def test_dtypes_are_as_the_docs_say():
     """Log-probs are fp32 for bf16/fp16/fp32 logits and fp64 for fp64 ones; a loss is in its reference log-probs'
-    dtype (README, "Semantics"; docs/design.md, "Returns"), at every level."""
+    dtype (docs/design.md, "Returns"), at every level."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(2, 3, 8, generator=g), torch.randint(0, 8, (2, 3), generator=g)
     h, w = torch.randn(2, 3, 4, generator=g), torch.randn(8, 4, generator=g)
@@ -590,8 +590,8 @@ def test_design_layout_names_every_module():
 
 def test_readme_names_the_demos_flags():
     """README's flag list is the demo's parser: each flag it lists exists, and every flag is named in README."""
-    from humanline_kernels import demo
-    flags = {o for a in demo._parser()._actions for o in a.option_strings if o.startswith("--")}
+    from humanline_kernels.demo import cli
+    flags = {o for a in cli.parser()._actions for o in a.option_strings if o.startswith("--")}
     text = _read("README.md")
     listed = set(re.findall(r"`(--[a-z][a-z-]*)", text[text.index("Flags ("):text.index("A bad flag")]))
     assert listed and listed <= flags, sorted(listed - flags)

@@ -58,8 +58,8 @@ def test_wheel_has_the_package_and_its_license(dists):
     for mod in ("__init__", "reference", "losses", "fused", "fused_linear", "_params", "_eager", "ops/_jit",
                 "ops/constants", "ops/linear", "ops/common", "ops/logprobs", "ops/token_terms", "ops/fold", "ops/dpo",
                 "ops/kto", "ops/grpo", "ops/sequence", "ops/kernels", "ops/tuning", "sync/_syncer",
-                "integrations/trl/__init__",
-                "integrations/trl/grpo"):
+                "integrations/trl/__init__", "integrations/trl/grpo", "demo/__init__", "demo/__main__", "demo/cli",
+                "demo/task"):
         assert f"humanline_kernels/{mod}.py" in names, mod
     assert "humanline_kernels/ops/tuned.json" in names  # the tuning table the launchers read (package data)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)

@@ -58,7 +58,7 @@ def test_default_output_is_bench_out_for_every_suite():
 
     from bench.__main__ import SUITES
     for name, (mod, _) in SUITES.items():
-        if name == "report":  # writes nothing but README (--readme)
+        if name == "report":  # writes nothing but the generated pages (--readme)
             continue
         m = importlib.import_module(mod)
         seen = {}
@@ -318,7 +318,7 @@ def test_logits_baseline_times_the_ref_in_a_worktree_it_removes(tmp_path, monkey
 
 @pytest.mark.parametrize("args, says", [(("report",), "give at least one run folder"),
                                         (("report", "bench/results/nope"), "no run folder"),
-                                        (("report", "--check", "nope.md"), "no README at"),
+                                        (("report", "--check", "nope.md"), "no page at"),
                                         (("report", "--bogus"), "unrecognized arguments")])
 def test_report_bad_flags_are_one_line(args, says):
     r = _bench(*args)
@@ -328,7 +328,7 @@ def test_report_bad_flags_are_one_line(args, says):
 
 def test_report_prints_each_section_from_the_newest_run_that_has_it(tmp_path):
     """Each section from the first run given that holds its JSON, with the card and the versions; a section no
-    run holds says so. ``--check`` passes on README as committed and fails, with a diff, on an edited copy."""
+    run holds says so. ``--check`` passes on the pages as committed and fails, with a diff, on an edited copy."""
     from bench import report
     runs = ["bench/results/2026-11-26-h200", "bench/results/2026-11-26-h100"]
     text = report.render(runs)
@@ -341,10 +341,10 @@ def test_report_prints_each_section_from_the_newest_run_that_has_it(tmp_path):
     r = _bench("report", *runs)
     assert r.returncode == 0 and r.stdout.strip() == text
     assert _bench("report", "--check").returncode == 0
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    edited = tmp_path / "README.md"
-    edited.write_text(readme.replace("| `hk.fused.dpo` |", "| `hk.fused.dpo` | 0.1 |", 1), encoding="utf-8")
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        page = f.read()
+    edited = tmp_path / "benchmarks.md"
+    edited.write_text(page.replace("| `hk.fused.dpo` |", "| `hk.fused.dpo` | 0.1 |", 1), encoding="utf-8")
     r = _bench("report", "--check", str(edited))
     assert r.returncode == 1 and "generated blocks differ" in r.stderr and "+| `hk.fused.dpo`" in r.stdout
 
