@@ -7,6 +7,7 @@ call on the CI machine), so a change that adds host work fails here instead of h
 reran. Ceilings are today's counts plus about 10 %; ``python -m bench host --proxy`` gives the times and the
 ratios to the floor (docs/kernels.md).
 """
+import gc
 import sys
 
 import pytest
@@ -51,11 +52,18 @@ def _count(fn):
         nonlocal n
         n += event in ("call", "c_call")
     fn()  # first-call work (Triton's binder, caches) is not the steady state
+    # a collection inside the counted call runs finalizers of whatever earlier tests left behind (CI's oldest-pair
+    # stage counted 4 more in one worker than alone): the count is the call's, so the collector waits outside it
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
     sys.setprofile(prof)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        if enabled:
+            gc.enable()
     return n
 
 
