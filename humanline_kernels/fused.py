@@ -418,10 +418,14 @@ def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsi
     ``loss_type``. The backward multiplies the stored gradient by ``grad_output`` in place with a kernel that
     reads ``grad_output`` on the device and does nothing when it is 1 (no host sync, no extra pass in the usual
     case). The gradient buffer is new (``inplace_backward=False``) or the logits themselves (``True``: the
-    logits are overwritten already during the forward). Backward may then run only once for this loss. On sm_90
-    cards for which a GPU run measured it faster (the tuned table), a thread-block cluster kernel forms the same
-    gradient with the row held on chip (docs/kernels.md); elsewhere the Triton kernel does. With ``process_group``
-    (a vocabulary slice) it is not taken: the gradient is formed in the backward.
+    logits are overwritten already during the forward). Backward may then run only once for this loss. The option
+    is never slower than not using it where measured: on a card, dtype and vocabulary for which a GPU run measured
+    it slower than the default path (the tuned table's ``"grad_in_forward"`` section, listed in docs/kernels.md),
+    the default path runs instead (the gradient formed in the backward; with ``inplace_backward=True`` the logits
+    are then overwritten in the backward). On sm_90 cards where a GPU run measured it faster, a thread-block
+    cluster kernel forms the gradient with the row held on chip; elsewhere the Triton kernel does (docs/kernels.md,
+    "Dispatch"). With ``process_group`` (a vocabulary slice) it is not taken:
+    the gradient is formed in the backward.
     """
     p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                       loss_type=loss_type, normalizer=normalizer,
@@ -434,7 +438,9 @@ def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsi
     _validation.check_grpo(p, labels.shape, ref_logps, inp)
     if tp is not None or not ops.use_kernels(logits, ref_logps, kl_ref_logps):
         return _eager_loss(p, logits, labels, ref_logps, inp, lay, tp)
-    gif = grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
+    # where a GPU run measured the option slower than not using it, the default path runs (the tuned table)
+    gif = (grad_in_forward and torch.is_grad_enabled() and logits.requires_grad
+           and _kernels().grad_in_forward_entry(logits) != "default")
     fn = _GrpoGradInForward if gif else _FusedLoss
     loss, met = fn.apply(p, inplace_backward, _tokens(lay), logits, labels, *_distinct(ref_logps, *inp))
     return loss, named_metrics("grpo", met)

@@ -76,6 +76,19 @@ def _gpu_memory_back_to_the_driver(request):
         torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True)
+def _gpu_tests_take_the_kernel_grad_in_forward_names(request):
+    """A GPU test's ``grad_in_forward=True`` runs the Triton kernel (or the cluster kernel, where a test forces it),
+    whatever the tuned table chose for the card: the kernels are what these tests check. The table's choice itself,
+    the default path included, is tested on CPU (tests/ops/test_tuning.py)."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    from humanline_kernels.ops import tuning
+    with tuning.forced_path("triton"):
+        yield
+
+
 @pytest.fixture
 def compiled_kernels():
     """Asserts that the test launched compiled Triton kernels and nothing ran interpreted or eager.

@@ -15,17 +15,17 @@ sums in the last program: the folded kernel's own device functions, in a launch 
 the finalize launch. So loss, metrics, ``w`` and ``aux`` are what the Triton path returns.
 
 Dispatch (:func:`config`): CUDA tensors on an sm_90 device whose card, logits dtype and vocabulary size have an
-entry in the tuned table's ``"cluster"`` section (``tuned.json``: ``{card: {dtype: {V: [CL, threads]}}}``, written
-only where a GPU run measured the cluster kernel faster than the Triton kernel), 16-byte aligned rows whose slice
-fits in shared memory. The table has no entry until measured, so the Triton kernel runs everywhere until then;
-:func:`forced` runs a configuration regardless of the table (the benchmarks and the GPU tests).
+entry ``[CL, threads]`` in the tuned table's ``"grad_in_forward"`` section (``tuned.json``: ``{card: {dtype: {V:
+entry}}}``, :func:`.tuning.grad_in_forward_entry`; written only where a GPU run measured the cluster kernel faster
+than the Triton kernel and than the default path), 16-byte aligned rows whose slice fits in shared memory. No
+cluster entry is tabled until measured, so the Triton kernel (or, where tabled so, the default path) runs until
+then; :func:`forced` runs a configuration regardless of the table (the benchmarks and the GPU tests).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
-import math
 import os
 import threading
 import warnings
@@ -114,30 +114,6 @@ def forced(ctas: int = 4, threads: int = 256):
         _FORCED.pop()
 
 
-def _nearest(entries, V):
-    """The entry at the tabled vocabulary nearest ``V`` within a factor of 2 (:mod:`.tuning`'s rule), or None."""
-    try:
-        best = min(entries, key=lambda v: abs(math.log(int(v) / V)))
-        if abs(math.log(int(best) / V)) > math.log(2):
-            return None
-        ctas, threads = (int(v) for v in entries[best])
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return (ctas, threads) if ctas in CTAS and threads in THREADS else None
-
-
-@functools.lru_cache(maxsize=None)
-def _tabled(card, dtype_key, V):
-    """The table's configuration for ``card`` / ``dtype_key`` at ``V`` (``tuned.json``'s ``"cluster"``), or None."""
-    try:
-        return _nearest(tuning.table()["cluster"][card][dtype_key], V)
-    except (KeyError, TypeError, AttributeError):
-        return None
-
-
-tuning.CLEARS.append(_tabled.cache_clear)
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
@@ -201,7 +177,8 @@ def config(logits: Tensor, grad: Optional[Tensor]) -> Optional[tuple[int, int]]:
     cfg = _FORCED[-1] if _FORCED else None
     tabled = cfg is None
     if tabled:
-        cfg = _tabled(tuning.device_name(dev), tuning.DTYPES.get(logits.dtype), logits.shape[-1])
+        cfg = tuning.grad_in_forward_entry(logits)
+        cfg = cfg if isinstance(cfg, tuple) and cfg[0] in CTAS and cfg[1] in THREADS else None
     if cfg is None or not arch_ok(dev) or not fits(logits, grad, cfg[0]):
         return None
     if tabled and dev.type == "cuda" and not _nvrtc_ok():

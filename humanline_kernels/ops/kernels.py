@@ -11,10 +11,11 @@ from .kto import kto_finalize, kto_loss
 from .logprobs import logprobs_bwd, logprobs_fwd, scale_rows_, scaled
 from .sequence import seq_finalize
 from .token_terms import token_terms
+from .tuning import grad_in_forward_entry
 
 __all__ = ["logprobs_fwd", "logprobs_bwd", "scale_rows_", "scaled", "token_terms", "FINALIZE", "ONE_LAUNCH",
            "dpo_finalize", "kto_finalize", "grpo_finalize", "seq_finalize", "dpo_loss", "kto_loss", "grpo_loss",
-           "grpo_cluster", "CLUSTER_DEVICES"]
+           "grpo_cluster", "CLUSTER_DEVICES", "grad_in_forward_entry"]
 
 # a loss's [B, T] tail after the row kernel (a packed batch, a fused-linear chunk), by the loss's name
 FINALIZE = {"dpo": dpo_finalize, "kto": kto_finalize, "grpo": grpo_finalize}

@@ -12,11 +12,16 @@ defaults. Malformed entries are ignored (a table can only choose among valid lau
 * ``terms``: the token-terms kernel and the folded DPO / KTO / GRPO kernels with one program a row;
 * ``bwd``: the read-and-write passes (``_logprobs_bwd_kernel``, ``_scale_rows_kernel``);
 * ``gif``: GRPO's persistent gradient-in-forward grid (``ops/grpo.py``).
+
+The ``"grad_in_forward"`` section (``{card: {dtype: {V: entry}}}``, the same nearest-``V`` rule) says what forms GRPO's
+gradient when a caller passes ``grad_in_forward=True`` (:func:`grad_in_forward_entry`): ``"default"`` where a GPU
+run measured the option slower than not using it (the default path runs: the gradient formed in the backward),
+``"triton"`` (the persistent grid), or ``[CL, threads]`` (the thread-block cluster kernel, ``ops/cluster.py``). A
+card, dtype or vocabulary without an entry runs the Triton kernel, as the option asks.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -35,9 +40,13 @@ CANDIDATES = {
     "gif": ((8192, 16), (4096, 16), (16384, 16), (4096, 8), (8192, 8)),
 }
 _WARPS = (1, 2, 4, 8, 16)
+PATHS = ("default", "triton")  # the "grad_in_forward" section's named entries (else a cluster's [CL, threads])
 CLEARS = []  # the launchers' cached configurations, cleared when the table or a forced candidate changes
 _table = None
 _forced = {}
+_forced_path = []
+_paths = {}  # (card, dtype, V) -> the "grad_in_forward" entry
+_NAMES = {}  # CUDA device index -> the card's name
 
 
 def device_name(device: torch.device):
@@ -45,9 +54,12 @@ def device_name(device: torch.device):
     return _cuda_name(device.index or 0) if device.type == "cuda" else None
 
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # a card's name is fixed in a process: torch.compile takes it as a constant
 def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+    name = _NAMES.get(index)
+    if name is None:
+        name = _NAMES[index] = torch.cuda.get_device_name(index)
+    return name
 
 
 def table() -> dict:
@@ -85,7 +97,79 @@ def forced(family: str, block: int, warps: int):
         _changed()
 
 
+@contextlib.contextmanager
+def forced_path(path: str):
+    """Within: ``grad_in_forward=True`` takes ``path`` (``"default"`` or ``"triton"``) on every device, whatever the
+    table says (``ops.cluster.forced`` still runs the cluster kernel inside): the benchmarks' and GPU tests' way to
+    time and test the kernel the option names."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    _forced_path.append(path)
+    try:
+        yield
+    finally:
+        _forced_path.pop()
+
+
+def grad_in_forward_entry(logits: torch.Tensor):
+    """What forms GRPO's gradient for ``grad_in_forward=True`` on ``logits [..., V]``: a forced path first, else the
+    table's ``"grad_in_forward"`` entry for the card, dtype and nearest ``V``: ``"default"``, ``"triton"``, a
+    ``(CL, threads)`` pair (checked by ``ops/cluster.py``), or None (no entry: the Triton kernel). A malformed entry is
+    None."""
+    if _forced_path:
+        return _forced_path[-1]
+    card = device_name(logits.device)
+    if card is None:
+        return None
+    entries, V = _card_paths(card, DTYPES.get(logits.dtype)), logits.shape[-1]
+    if torch.compiler.is_compiling():  # (V may be symbolic there: the comparisons below are guards)
+        return _nearest_path(entries, V)
+    key = (card, logits.dtype, V)
+    if key not in _paths:
+        _paths[key] = _nearest_path(entries, V)
+    return _paths[key]
+
+
+@torch.compiler.assume_constant_result  # torch.compile takes a card's entries as a constant of the graph
+def _card_paths(card: str, dtype_key: str) -> tuple:
+    """``((V, entry), ...)``: the card's valid ``"grad_in_forward"`` entries for ``dtype_key``, by ``V``."""
+    try:
+        items = list(table()["grad_in_forward"][card][dtype_key].items())
+    except (KeyError, TypeError, AttributeError):
+        return ()
+    out = []
+    for v, entry in items:
+        if isinstance(entry, list) and len(entry) == 2 and all(type(e) is int for e in entry):
+            entry = tuple(entry)
+        elif not (isinstance(entry, str) and entry in PATHS):
+            continue
+        if str(v).isdigit() and int(v) > 0:
+            out.append((int(v), entry))
+    return tuple(sorted(out))
+
+
+def _nearest_path(entries: tuple, V):
+    """The entry at the tabled size nearest ``V`` (by ratio) within a factor of 2, or None; integer arithmetic only,
+    so that a symbolic ``V`` under torch.compile compares too."""
+    best, best_num, best_den = None, 0, 1
+    for v, entry in entries:
+        num, den = max(v, V), min(v, V)
+        if num <= 2 * den and (best is None or num * best_den < best_num * den):
+            best, best_num, best_den = entry, num, den
+    return best
+
+
+def _nearest(entries, V: int):
+    """The entry at the tabled vocabulary nearest ``V`` within a factor of 2, or None (also for a malformed table)."""
+    try:
+        best = min(entries, key=lambda v: abs(math.log(int(v) / V)))
+        return entries[best] if abs(math.log(int(best) / V)) <= math.log(2) else None
+    except (TypeError, ValueError, AttributeError, KeyError):
+        return None
+
+
 def _changed():
+    _paths.clear()
     for clear in CLEARS:
         clear()
 
@@ -99,12 +183,9 @@ def lookup(family: str, name, dtype_key, V: int):
         return None
     try:
         entries = table()["devices"][name][dtype_key][family]
-        best = min(entries, key=lambda v: abs(math.log(int(v) / V)))
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return None
-    if abs(math.log(int(best) / V)) > math.log(2):
-        return None
-    return _valid(entries[best])
+    return _valid(_nearest(entries, V))
 
 
 def _valid(entry):

@@ -67,13 +67,13 @@ def test_only_sm90_devices_run_it(monkeypatch, cap, ok):
 
 def test_table_decides_by_card_dtype_and_vocabulary(on, table):
     on("meta")
-    table({"cluster": {CARD: {"bf16": {"128256": [4, 256], "32000": [2, 512]}}}})
+    table({"grad_in_forward": {CARD: {"bf16": {"128256": [4, 256], "32000": [2, 512]}}}})
     assert cluster.config(meta(128256), None) == (4, 256)
     assert cluster.config(meta(151936), None) == (4, 256)  # the nearest tabled size within a factor of 2
     assert cluster.config(meta(32000), None) == (2, 512)
     assert cluster.config(meta(262144 * 2), None) is None  # beyond a factor of 2 of every entry
     assert cluster.config(meta(128256, torch.float16), None) is None  # no fp16 entry
-    table({"cluster": {"another card": {"bf16": {"128256": [4, 256]}}}})
+    table({"grad_in_forward": {"another card": {"bf16": {"128256": [4, 256]}}}})
     assert cluster.config(meta(128256), None) is None
 
 
@@ -81,7 +81,8 @@ def test_empty_table_keeps_triton(on, table):
     """The shipped table has no cluster entry (none measured yet): forced or nothing."""
     on("meta")
     table(None)
-    assert "cluster" not in tuning.table()
+    assert not [e for per in tuning.table().get("grad_in_forward", {}).values() for per_v in per.values()
+                for e in per_v.values() if isinstance(e, list)]
     assert cluster.config(meta(128256), None) is None
     with cluster.forced(4, 256):
         assert cluster.config(meta(128256), None) == (4, 256)
@@ -90,7 +91,7 @@ def test_empty_table_keeps_triton(on, table):
 @pytest.mark.parametrize("entry", [[3, 256], [4, 100], [4], "4x256", None, [4, 256, 1]])
 def test_malformed_entries_are_ignored(on, table, entry):
     on("meta")
-    table({"cluster": {CARD: {"bf16": {"128256": entry}}}})
+    table({"grad_in_forward": {CARD: {"bf16": {"128256": entry}}}})
     assert cluster.config(meta(128256), None) is None
 
 

@@ -3,6 +3,7 @@ read it per family, that a forced configuration computes the reference's numbers
 and compiled by the gate, and ``python -m bench tune``'s flags and CPU run."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -174,7 +175,10 @@ def _tune(*args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [(), ("--quick", "--family", "nope"), ("--quick", "--n", "0"),
-                                  ("--quick", "--vocab", "1"), ("--quick", "--write"), ("--bogus",)])
+                                  ("--quick", "--vocab", "1"), ("--quick", "--write"), ("--bogus",),
+                                  ("--from-logits", "no/such/logits.json"),
+                                  ("--from-logits", "pyproject.toml"),
+                                  ("--from-logits", "bench/results/2026-11-28-h200-run11/logits.json", "--quick")])
 def test_bench_tune_bad_flags_are_one_line(args):
     r = _tune(*args)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
@@ -183,11 +187,199 @@ def test_bench_tune_bad_flags_are_one_line(args):
 
 @pytest.mark.slow
 def test_bench_tune_quick_times_every_candidate(tmp_path):
-    r = _tune("--quick", "--family", "fwd", "gif", "--vocab", "60", "--n", "4", "--out", str(tmp_path))
+    r = _tune("--quick", "--family", "fwd", "gif", "grad_in_forward", "--vocab", "60", "--n", "4", "--out",
+              str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.load(open(tmp_path / "tune_quick.json"))["rows"]
     assert {(row["family"], row["candidate"]) for row in rows} == {
-        (f, f"{b}x{w}") for f in ("fwd", "gif") for b, w in tuning.CANDIDATES[f]}
+        (f, f"{b}x{w}") for f in ("fwd", "gif") for b, w in tuning.CANDIDATES[f]} | {
+        ("grad_in_forward", p) for p in tuning.PATHS}  # (no cluster candidates off sm_90)
     assert all("ms" in row for row in rows)
-    assert json.load(open(tmp_path / "tuned.json"))["devices"] == {}  # a CPU run tunes no card
+    assert sum(row["chosen"] for row in rows if row["family"] == "grad_in_forward") == 1
+    tuning.set_table(None)
+    assert json.load(open(tmp_path / "tuned.json")) == tuning.table()  # a CPU run tunes no card
     assert "tune " in r.stderr  # progress
+
+
+# ------------------------------------------------------------------ grad_in_forward: never slower than not using it
+PATHS = {"format": 1, "devices": {}, "grad_in_forward": {CARD: {"bf16": {
+    "128256": "default", "32000": "triton", "151936": [4, 256]}}}}
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """The table ``PATHS``, and every device named ``CARD`` (restored after)."""
+    monkeypatch.setattr(tuning, "device_name", lambda d: CARD)
+    tuning.set_table(json.loads(json.dumps(PATHS)))
+    yield
+    tuning.set_table(None)
+
+
+def _meta(V, dtype=torch.bfloat16):
+    return torch.empty((2, 3, V), dtype=dtype, device="meta")
+
+
+def test_grad_in_forward_entry_by_card_dtype_and_vocabulary(paths, monkeypatch):
+    assert tuning.grad_in_forward_entry(_meta(128256)) == "default"
+    assert tuning.grad_in_forward_entry(_meta(100000)) == "default"  # the nearest tabled size within a factor of 2
+    assert tuning.grad_in_forward_entry(_meta(32000)) == "triton"
+    assert tuning.grad_in_forward_entry(_meta(200000)) == (4, 256)  # a cluster configuration, for ops/cluster.py
+    assert tuning.grad_in_forward_entry(_meta(700000)) is None  # beyond a factor of 2 of every entry
+    assert tuning.grad_in_forward_entry(_meta(128256, torch.float16)) is None  # no fp16 entry
+    monkeypatch.setattr(tuning, "device_name", lambda d: "another card")
+    assert tuning.grad_in_forward_entry(_meta(128256)) is None
+
+
+def test_grad_in_forward_entry_without_a_card_is_none():
+    """CPU tensors (the interpreter) have no card: the Triton kernel, as the option asks."""
+    tuning.set_table(json.loads(json.dumps(PATHS)))
+    try:
+        assert tuning.grad_in_forward_entry(torch.zeros(2, 3, 128256, dtype=torch.bfloat16)) is None
+    finally:
+        tuning.set_table(None)
+
+
+@pytest.mark.parametrize("entry", ["fast", "Default", [4], [True, 256], [4.0, 256], {"4": 256}, None, 1])
+def test_malformed_grad_in_forward_entries_are_none(paths, entry):
+    tuning.set_table({"grad_in_forward": {CARD: {"bf16": {"128256": entry}}}})
+    assert tuning.grad_in_forward_entry(_meta(128256)) is None
+
+
+@pytest.mark.parametrize("broken", [{"grad_in_forward": []}, {"grad_in_forward": {CARD: "default"}},
+                                    {"grad_in_forward": {CARD: {"bf16": ["default"]}}}])
+def test_a_broken_grad_in_forward_section_is_none(paths, broken):
+    tuning.set_table(broken)
+    assert tuning.grad_in_forward_entry(_meta(128256)) is None
+
+
+def test_forced_path_overrides_the_table_and_nests(paths):
+    with tuning.forced_path("triton"):
+        assert tuning.grad_in_forward_entry(_meta(128256)) == "triton"
+        with tuning.forced_path("default"):
+            assert tuning.grad_in_forward_entry(_meta(32000)) == "default"
+        assert tuning.grad_in_forward_entry(_meta(32000)) == "triton"
+    assert tuning.grad_in_forward_entry(_meta(128256)) == "default"
+    with pytest.raises(ValueError, match="path must be one of"):
+        with tuning.forced_path("cluster"):
+            pass
+
+
+def test_a_changed_table_is_read_again(paths):
+    assert tuning.grad_in_forward_entry(_meta(128256)) == "default"
+    tuning.set_table({"grad_in_forward": {CARD: {"bf16": {"128256": "triton"}}}})
+    assert tuning.grad_in_forward_entry(_meta(128256)) == "triton"
+
+
+@pytest.mark.parametrize("V,expected", [(130, "_FusedLoss"), (70, "_GrpoGradInForward"), (300, "_GrpoGradInForward")])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fused_grpo_runs_the_default_path_where_the_table_says_so(monkeypatch, V, expected, inplace):
+    """``grad_in_forward=True`` where the table says "default" (here V = 130; V = 70 is tabled "triton", 300 has
+    no entry): the default path's autograd function runs, and loss, metrics and gradient are the reference's."""
+    from test_fused_losses import _data, _run
+    monkeypatch.setattr(tuning, "device_name", lambda d: CARD)
+    tuning.set_table({"grad_in_forward": {CARD: {"fp32": {"130": "default", "70": "triton"}}}})
+    try:
+        x, y, ref = _data(3, 6, V)
+        adv = torch.tensor([1.0, -0.5, 0.7])
+        loss, _ = hk.fused.grpo(x.clone().requires_grad_()[:, :-1], y, ref, adv, beta=0.05, grad_in_forward=True)
+        assert type(loss.grad_fn).__name__ == expected + "Backward"
+        _run("grpo", x, y, ref, (adv,), dict(beta=0.05, grad_in_forward=True, inplace_backward=inplace))
+        with torch.no_grad():  # no gradient asked for: the forward only, whatever the table says
+            assert hk.fused.grpo(x[:, :-1], y, ref, adv, grad_in_forward=True)[0].grad_fn is None
+    finally:
+        tuning.set_table(None)
+
+
+def test_the_committed_grad_in_forward_section_is_valid():
+    """Every committed entry is "default", "triton" or a cluster configuration ops/cluster.py accepts."""
+    from humanline_kernels.ops import cluster
+    tuning.set_table(None)
+    section = tuning.table().get("grad_in_forward", {})
+    entries = [e for per in section.values() for per_v in per.values() for e in per_v.values()]
+    assert all(e in tuning.PATHS or (isinstance(e, list) and len(e) == 2 and e[0] in cluster.CTAS
+                                     and e[1] in cluster.THREADS) for e in entries), entries
+
+
+def _record(tmp_path, name, card, rows):
+    """A ``bench logits`` record: ``rows`` of ``(impl, V, ms)``."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"env": {"device": card}, "meta": {"dtype": "bfloat16"},
+                                "rows": [{"impl": i, "V": v, "ms": ms} for i, v, ms in rows]}))
+    return str(path)
+
+
+def test_from_logits_takes_a_candidate_only_where_it_wins_in_every_record(tmp_path, monkeypatch):
+    """Per card and V: the Triton kernel or a cluster configuration at its worst ratio to the default path over the
+    records; an entry only where that is at most 1 - GAIN, else "default"; other cards' entries kept."""
+    from bench import bench_tune
+    monkeypatch.setattr(tuning, "TABLE_PATH", str(tmp_path / "package.json"))
+    tuning.set_table({"format": 1, "devices": {}, "grad_in_forward": {"other": {"bf16": {"1000": "triton"}}}})
+    g, t, c = "hk.fused.grpo", "hk.fused.grpo(grad_in_fwd)", "hk.fused.grpo(grad_in_fwd,cluster 4x256)"
+    a = _record(tmp_path, "a", CARD, [(g, 1000, 1.0), (t, 1000, 0.9), (g, 2000, 1.0), (t, 2000, 0.9),
+                                      (c, 2000, 0.8), (g, 4000, 1.0), (t, 4000, 0.99), (g, 8000, 1.0),
+                                      (t, 8000, 0.97), ("liger triton_grpo_loss", 8000, 0.5)])
+    b = _record(tmp_path, "b", CARD, [(g, 1000, 2.0), (t, 1000, 1.99), (g, 2000, 1.0), (t, 2000, 0.9),
+                                      (c, 2000, 0.95), (g, 8000, 1.0), (t, 8000, 1.2)])
+    try:
+        rows = bench_tune.from_logits([a, b], out_dir=str(tmp_path / "out"), write=True)
+        got = json.load(open(tmp_path / "package.json"))["grad_in_forward"]
+    finally:
+        tuning.set_table(None)
+    assert got == json.load(open(tmp_path / "out" / "tuned.json"))["grad_in_forward"]
+    assert got == {"other": {"bf16": {"1000": "triton"}}, CARD: {"bf16": {
+        "1000": "default",  # 0.995 in the second record: not 2 % faster there
+        "2000": "triton",  # the cluster's 0.95 at worst against the Triton kernel's 0.9
+        "4000": "default",  # 1 % faster: within GAIN
+        "8000": "default"}}}  # faster in one record, slower in the other; Liger's row is no candidate
+    assert [r["V"] for r in rows] == [1000, 2000, 4000, 8000]
+
+
+def test_from_logits_entries_of_the_committed_table_are_its_records():
+    """The shipped table's "grad_in_forward" entries are what ``bench tune --from-logits`` makes of the committed
+    records named in the record.sh beside its run (no entry typed by hand)."""
+    from bench import bench_tune
+    run = os.path.join(ROOT, "bench", "results", "2026-11-29-grad-in-forward-table")
+    script = open(os.path.join(run, "record.sh")).read()
+    records = [os.path.join(ROOT, r) for r in script.split() if r.endswith("logits.json")]
+    assert len(records) == 2
+    tuning.set_table({"format": 1, "devices": {}})
+    try:
+        rows = bench_tune.from_logits(records, out_dir=os.path.join(ROOT, "bench", "out", "test-from-logits"),
+                                      write=False)
+    finally:
+        tuning.set_table(None)
+    made = {}
+    for r in rows:
+        made.setdefault(r["card"], {}).setdefault(r["dtype"], {})[str(r["V"])] = r["entry"]
+    assert made == tuning.table()["grad_in_forward"]
+    # docs/kernels.md's table of them: a row each, the entry and the Triton kernel's worst ratio as made here
+    doc = open(os.path.join(ROOT, "docs", "kernels.md")).read()
+    span = doc.split("<!-- table: grad_in_forward (tests/ops/test_tuning.py) -->")[1].split("<!-- /table -->")[0]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in span.strip().splitlines()[2:]]
+    said = {"the default path": "default", "the Triton kernel": "triton"}
+    assert len(cells) == len(rows)
+    for r, (card, dtype, V, runs, source) in zip(rows, cells):
+        assert (card, dtype, int(V), said[runs]) == (r["card"], r["dtype"], r["V"], r["entry"])
+        ratio = float(re.search(r"the Triton kernel ([0-9.]+)x", source).group(1))
+        assert abs(ratio - r["worst triton"]) < 6e-4, (source, r)  # (as printed, to 3 decimals)
+
+
+def test_the_table_choice_traces_under_torch_compile(monkeypatch):
+    """A CUDA card's entry read inside a compiled function (the card's name and its entries are constants to
+    torch.compile; ``V`` compares as a guard, also when dynamic): no graph break, and the entry decides the traced
+    branch."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: CARD)
+    monkeypatch.setattr(tuning, "_NAMES", {})
+    monkeypatch.setattr(tuning, "device_name", lambda d: tuning._cuda_name(0))  # (CPU tensors named as CUDA's)
+    tuning.set_table(json.loads(json.dumps(PATHS)))
+    try:
+        def f(x):
+            return x * 2 if tuning.grad_in_forward_entry(x) == "default" else x * 3
+        for dynamic in (False, True):
+            torch._dynamo.reset()
+            g = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+            for V, factor in ((128256, 2), (32000, 3), (100000, 2), (200000, 3), (700000, 3)):
+                assert g(torch.ones(V, dtype=torch.bfloat16))[0].item() == factor, (dynamic, V)
+    finally:
+        tuning.set_table(None)
+        torch._dynamo.reset()
