@@ -2,7 +2,7 @@
 vocabulary size, written as the table the launchers read (humanline_kernels/ops/tuning.py).
 
 ``python -m bench tune [--vocab V ...] [--n N] [--family F ...] [--out DIR] [--write] [--quick]``
-``python -m bench tune --from-logits RECORD ... [--out DIR] [--write]``
+``python -m bench tune --from-logits RECORD ... [--arm NAME] [--out DIR] [--write]``
 
 For each family (``fwd``: ``token_logprobs``' forward; ``terms``: GRPO's fused forward, the token-terms and folded
 kernels; ``bwd``: ``token_logprobs``' backward; ``gif``: GRPO with the gradient in the forward on the persistent
@@ -186,9 +186,9 @@ def with_entries(t: dict, card: str, dtype_key: str, launches, paths) -> dict:
     out = {**t, "format": 1, "what": t.get("what", ""), "devices": dict(t.get("devices") or {})}
     if launches is not None:
         out["devices"][card] = {**out["devices"].get(card, {}), dtype_key: launches}
-    if paths is not None:
+    if paths is not None:  # merged by V: a run that timed some sizes keeps the others' entries
         section = dict(out.get(PATH) or {})
-        section[card] = {**section.get(card, {}), dtype_key: paths}
+        section[card] = {**section.get(card, {}), dtype_key: {**section.get(card, {}).get(dtype_key, {}), **paths}}
         out[PATH] = section
     return out
 
@@ -208,13 +208,15 @@ def write_table(tuned: dict, out_dir: str, into_package: bool):
         print(f"wrote {tuning.TABLE_PATH}: run the compile gate (tests/ops/test_compile_gate.py) before committing it")
 
 
-def from_logits(records, *, out_dir, write):
+def from_logits(records, *, out_dir, write, arm="hk.fused"):
     """:data:`PATH`'s entries from ``bench logits`` records (no GPU): per card and vocabulary, the row
-    ``hk.fused.grpo`` (the default path) against ``hk.fused.grpo(grad_in_fwd)`` (the Triton kernel) and any
-    ``hk.fused.grpo(grad_in_fwd,cluster CxT)``, each candidate at its worst ratio to the default over the records
-    of that card; the best candidate is the entry when that ratio is at most ``1 - GAIN``, else ``"default"``."""
+    ``{arm}.grpo`` (the default path) against ``{arm}.grpo(grad_in_fwd)`` (the Triton kernel) and any
+    ``{arm}.grpo(grad_in_fwd,cluster CxT)``, each candidate at its worst ratio to the default over the records
+    of that card; the best candidate is the entry when that ratio is at most ``1 - GAIN``, else ``"default"``.
+    ``arm``: the name the records give the package's present kernels (``hk.fused``; an older record that timed them
+    beside a retired default names them otherwise, e.g. ``hk.fused[fold]``)."""
     from humanline_kernels.ops import tuning
-    ratios = {}  # (card, dtype key, V) -> {label: [ratio to the default in each record]}
+    ratios, seen = {}, {}  # (card, dtype key, V) -> {label: [ratio to the default in each record]}, records
     for rec in records:
         with open(rec) as f:
             d = json.load(f)
@@ -222,36 +224,36 @@ def from_logits(records, *, out_dir, write):
         dtype_key = tuning.DTYPES[getattr(torch, d["meta"]["dtype"])]
         ms = {(r["impl"], r["V"]): r["ms"] for r in d["rows"] if r.get("ms")}
         for (impl, V), t in ms.items():
-            label = _path_label(impl)
-            base = ms.get(("hk.fused.grpo", V))
+            base = ms.get((arm + ".grpo", V))
+            if impl == arm + ".grpo" and base:
+                seen[(card, dtype_key, V)] = seen.get((card, dtype_key, V), 0) + 1
+            label = _path_label(impl, arm)
             if label is not None and base:
                 ratios.setdefault((card, dtype_key, V), {}).setdefault(label, []).append(t / base)
     if not ratios:
-        raise ValueError("no GRPO default and grad_in_fwd rows in these records")
+        raise ValueError(f"no {arm}.grpo and {arm}.grpo(grad_in_fwd) rows in these records")
     tuned, rows = tuning.table(), []
     for (card, dtype_key, V), per in sorted(ratios.items()):
         worst = {label: max(r) for label, r in per.items()}
         best = min(worst, key=worst.get)
         entry = _path_entry(best) if worst[best] <= 1 - GAIN else "default"
-        rows.append({"card": card, "dtype": dtype_key, "V": V, "entry": entry, "records": len(records),
+        rows.append({"card": card, "dtype": dtype_key, "V": V, "entry": entry, "records": seen[(card, dtype_key, V)],
                      **{f"worst {label}": round(w, 4) for label, w in worst.items()}})
         print(f"  {card} {dtype_key} V={V}: {entry} (" + ", ".join(f"{k} {v:.3f}x" for k, v in worst.items())
               + " the default, at worst)", file=sys.stderr)
-        section = dict((tuned.get(PATH) or {}).get(card, {}).get(dtype_key, {}))
-        section[str(V)] = entry
-        tuned = with_entries(tuned, card, dtype_key, None, section)
-    common.save("tune_paths", rows, {"records": list(records), "gain": GAIN,
+        tuned = with_entries(tuned, card, dtype_key, None, {str(V): entry})
+    common.save("tune_paths", rows, {"records": list(records), "arm": arm, "gain": GAIN,
                                      "what": "grad_in_forward entries from bench logits records"}, out_dir,
                 bar="worst triton", series="card", label=("V", "entry"))
     write_table(tuned, out_dir, write)
     return rows
 
 
-def _path_label(impl: str):
+def _path_label(impl: str, arm: str):
     """The candidate a ``bench logits`` row times (the default path's own row is the base), or None."""
-    if impl == "hk.fused.grpo(grad_in_fwd)":
+    if impl == arm + ".grpo(grad_in_fwd)":
         return "triton"
-    prefix = "hk.fused.grpo(grad_in_fwd,cluster "
+    prefix = arm + ".grpo(grad_in_fwd,cluster "
     if impl.startswith(prefix) and impl.endswith(")"):
         return "cluster " + impl[len(prefix):-1]
     return None
@@ -276,7 +278,12 @@ def main(argv=None):
                    "--from-logits)")
     p.add_argument("--from-logits", nargs="+", default=None, metavar="RECORD",
                    help=f"no timing: the {PATH} entries from these `bench logits` records (logits.json)")
+    p.add_argument("--arm", default=None, help="with --from-logits: the records' name of the package's present "
+                   "kernels (default hk.fused; e.g. hk.fused[fold] in a record that timed them beside a retired "
+                   "default)")
     a = p.parse_args(argv)
+    if a.arm is not None and not a.from_logits:
+        p.error("--arm names rows of the records --from-logits reads")
     if a.from_logits:
         if a.quick or a.family or a.vocab or a.n is not None:
             p.error("--from-logits reads records: not with --quick, --family, --vocab or --n")
@@ -284,7 +291,7 @@ def main(argv=None):
         if missing:
             p.error(f"no such record: {missing[0]}")
         try:
-            from_logits(a.from_logits, out_dir=a.out, write=a.write)
+            from_logits(a.from_logits, out_dir=a.out, write=a.write, arm=a.arm or "hk.fused")
         except (ValueError, KeyError, AttributeError, TypeError) as e:
             p.error(f"not a bench logits record with GRPO rows: {type(e).__name__}: {e}")
         return 0

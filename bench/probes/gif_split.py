@@ -233,9 +233,12 @@ def measure(N, V, bw, hk, do_bench):
     xg = x.view(1, N, V).detach().requires_grad_()
     ref_lp, advs, yy = r.view(1, N), torch.tensor([adv], device=dev), y.view(1, N).long()
 
-    def ours():
-        return torch.autograd.grad(hk.fused.grpo(xg, yy, ref_lp, advs, beta=0.04, validate=False,
-                                                 grad_in_forward=True)[0], xg)[0]
+    from humanline_kernels.ops import tuning
+
+    def ours():  # the Triton kernel the option names, whatever the tuned table chose for this card
+        with tuning.forced_path("triton"):
+            return torch.autograd.grad(hk.fused.grpo(xg, yy, ref_lp, advs, beta=0.04, validate=False,
+                                                     grad_in_forward=True)[0], xg)[0]
     # the package's own call, forward + autograd.grad as bench logits times it (its loss: temperature 1, clip,
     # beta 0.04, a new gradient buffer): the same bytes, not the same math, so no error column
     row("hk.fused.grpo(grad_in_fwd)", do_bench(ours, warmup=25, rep=100, return_mode="median"))

@@ -98,7 +98,6 @@ def _check_config(ctas, threads):
 
 
 # ------------------------------------------------------------------------------------------- dispatch (host)
-_FORCED: list = []
 
 
 @contextlib.contextmanager
@@ -107,11 +106,14 @@ def forced(ctas: int = 4, threads: int = 256):
     threads wherever it can (an sm_90 device, a row that fits), whatever the table says; a missing NVRTC raises
     instead of falling back. For the benchmarks and the GPU tests."""
     _check_config(ctas, threads)
-    _FORCED.append((ctas, threads))
-    try:
+    with tuning._forcing((ctas, threads)):  # (tuning's: a table's "default" does not send the call elsewhere)
         yield
-    finally:
-        _FORCED.pop()
+
+
+def forced_config() -> Optional[tuple[int, int]]:
+    """The configuration the innermost :func:`forced` (or ``tuning.forced_path``) forces, or None."""
+    f = tuning._forced_path
+    return f[-1] if f and isinstance(f[-1], tuple) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,11 +176,9 @@ def config(logits: Tensor, grad: Optional[Tensor]) -> Optional[tuple[int, int]]:
     dev = logits.device
     if dev.type not in DEVICES:
         return None
-    cfg = _FORCED[-1] if _FORCED else None
-    tabled = cfg is None
-    if tabled:
-        cfg = tuning.grad_in_forward_entry(logits)
-        cfg = cfg if isinstance(cfg, tuple) and cfg[0] in CTAS and cfg[1] in THREADS else None
+    tabled = forced_config() is None
+    cfg = tuning.grad_in_forward_entry(logits)  # (a forced configuration first; "triton" forced: none)
+    cfg = cfg if isinstance(cfg, tuple) and cfg[0] in CTAS and cfg[1] in THREADS else None
     if cfg is None or not arch_ok(dev) or not fits(logits, grad, cfg[0]):
         return None
     if tabled and dev.type == "cuda" and not _nvrtc_ok():

@@ -46,6 +46,7 @@ _table = None
 _forced = {}
 _forced_path = []
 _paths = {}  # (card, dtype, V) -> the "grad_in_forward" entry
+_MISSING = object()
 _NAMES = {}  # CUDA device index -> the card's name
 
 
@@ -78,7 +79,9 @@ def table() -> dict:
 
 
 def set_table(t) -> None:
-    """Use ``t`` (a dict as in ``tuned.json``; None: read the file again) from now on (tests, ``bench tune``)."""
+    """Use ``t`` (a dict as in ``tuned.json``; None: read the file again) from now on (tests, ``bench tune``). A
+    graph torch.compile traced before keeps the ``"grad_in_forward"`` entries it read (constants of the graph) until
+    ``torch._dynamo.reset()``."""
     global _table
     _table = t
     _changed()
@@ -100,11 +103,17 @@ def forced(family: str, block: int, warps: int):
 @contextlib.contextmanager
 def forced_path(path: str):
     """Within: ``grad_in_forward=True`` takes ``path`` (``"default"`` or ``"triton"``) on every device, whatever the
-    table says (``ops.cluster.forced`` still runs the cluster kernel inside): the benchmarks' and GPU tests' way to
-    time and test the kernel the option names."""
+    table says; the innermost of these and ``ops.cluster.forced`` (which forces a cluster configuration the same
+    way) wins. Process-wide, not per thread: the benchmarks' and the GPU tests' way to time and test one path."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    _forced_path.append(path)
+    with _forcing(path):
+        yield
+
+
+@contextlib.contextmanager
+def _forcing(entry):
+    _forced_path.append(entry)
     try:
         yield
     finally:
@@ -114,20 +123,21 @@ def forced_path(path: str):
 def grad_in_forward_entry(logits: torch.Tensor):
     """What forms GRPO's gradient for ``grad_in_forward=True`` on ``logits [..., V]``: a forced path first, else the
     table's ``"grad_in_forward"`` entry for the card, dtype and nearest ``V``: ``"default"``, ``"triton"``, a
-    ``(CL, threads)`` pair (checked by ``ops/cluster.py``), or None (no entry: the Triton kernel). A malformed entry is
-    None."""
+    ``(CL, threads)`` pair (checked by ``ops/cluster.py``), or None (no entry: the Triton kernel). Malformed entries
+    are skipped."""
     if _forced_path:
         return _forced_path[-1]
     card = device_name(logits.device)
     if card is None:
         return None
-    entries, V = _card_paths(card, DTYPES.get(logits.dtype)), logits.shape[-1]
+    V = logits.shape[-1]
     if torch.compiler.is_compiling():  # (V may be symbolic there: the comparisons below are guards)
-        return _nearest_path(entries, V)
+        return _nearest_path(_card_paths(card, DTYPES.get(logits.dtype)), V)
     key = (card, logits.dtype, V)
-    if key not in _paths:
-        _paths[key] = _nearest_path(entries, V)
-    return _paths[key]
+    entry = _paths.get(key, _MISSING)
+    if entry is _MISSING:
+        entry = _paths[key] = _nearest_path(_card_paths(card, DTYPES.get(logits.dtype)), V)
+    return entry
 
 
 @torch.compiler.assume_constant_result  # torch.compile takes a card's entries as a constant of the graph

@@ -102,12 +102,12 @@ def test_forced_checks_its_arguments_and_nests():
     with pytest.raises(ValueError, match="threads"):
         with cluster.forced(4, 100):
             pass
-    assert not cluster._FORCED
+    assert cluster.forced_config() is None
     with cluster.forced(4, 256):
         with cluster.forced(8, 512):
-            assert cluster._FORCED[-1] == (8, 512)
-        assert cluster._FORCED[-1] == (4, 256)
-    assert not cluster._FORCED
+            assert cluster.forced_config() == (8, 512)
+        assert cluster.forced_config() == (4, 256)
+    assert cluster.forced_config() is None
 
 
 @pytest.mark.parametrize("V,dtype,ctas,ok", [
