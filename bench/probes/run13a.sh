@@ -3,7 +3,7 @@
 # ~530 s typical on an H200 with run 12a's stages, ~200 s without (timeout_s 590; carry .whl, and .whlq1 for
 # quack in call B): issue 91.
 #   1. run12a.sh's stages (e2e at lr 1e-7, bench linear in rounds), unless `--skip-12a` (run 12a has run);
-#   2. the cluster kernel's GPU tests (tests/test_gif_cluster.py: against hk.reference, every option; NVRTC builds
+#   2. the cluster kernel's GPU tests (tests/ops/test_gif_cluster.py: against hk.reference, every option; NVRTC builds
 #      it at first use from the image's torch wheels), then bench gpu's parity rows on it (N = 8192, V = 128256);
 #   3. bench logits: GRPO with the gradient in the forward, Triton and the cluster kernel at each configuration,
 #      beside the default 3-pass path and Liger's triton_grpo_loss, at V = 128256, 151936, 32000.
@@ -18,7 +18,7 @@ if [ "${1:-}" != "--skip-12a" ]; then
   TAILN=25 run linear 130 python3 -m bench linear --out $R
   TAILN=24 run masks 150 python3 -m bench linear --ignored 0 50 --out $R
 fi
-TAILN=25 run gputests_cluster 100 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gif_cluster.py
+TAILN=25 run gputests_cluster 100 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ops/test_gif_cluster.py
 TAILN=30 run parity_cluster 100 python3 -c "
 import json, sys
 from bench.bench_gpu import parity

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Run 13, second call (bench/NOTES.md "Next GPU run: the cluster kernel"), ~150 s, on the machine run13a.sh left
+# Run 13, second call (bench/NOTES.md "Next GPU run: the cluster kernel"), ~210 s, on the machine run13a.sh left
 # warm (carry .whl and .whlq2): quack's one-pass cross_entropy_fwd(return_dx) beside the cluster kernel and Triton's
 # gradient in the forward in the same call (issue 91's target 2 compares them in one run), at V = 128256, 151936,
 # 32000. The quack install is run9b.sh's (the halves joined, the DSL's package folder on PYTHONPATH by hand).
@@ -17,4 +17,7 @@ else
 fi
 TAILN=50 run logits_quack 150 python3 -m bench logits --vocab 128256 151936 32000 \
   --only quack "grad_in_fwd" "liger triton_grpo_loss" --out $R/quack
+# issue 91's target 3 on this card: the default path, the Triton kernel and each cluster configuration, timed
+# against each other; $R/tune/tuned.json is the table with this card's "grad_in_forward" entries
+TAILN=30 run tune_paths 120 python3 -m bench tune --family grad_in_forward --out $R/tune
 exit 0
