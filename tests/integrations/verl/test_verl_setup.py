@@ -40,7 +40,8 @@ def test_the_documented_setup_passes():
     # LoRA with the frozen reference (verl's adapter-disabled actor): clamp only, no sync
     lora = config(**{"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.actor.policy_loss.reference": "frozen"})
     check_setup(lora.actor_rollout_ref, "actor_rollout")
-    # our fused log-probs with verl's entropy bonus: the entropy is differentiable (tests/integrations/verl/test_verl_kernel.py)
+    # our fused log-probs with verl's entropy bonus: the entropy is differentiable
+    # (tests/integrations/verl/test_verl_kernel.py)
     fused = config(**{"actor_rollout_ref.actor.policy_loss.fused_logprobs": True,
                       "actor_rollout_ref.model.use_fused_kernels": True, "actor_rollout_ref.actor.entropy_coeff": 0.01})
     fused.actor_rollout_ref.model.fused_kernel_options = {"impl_backend": "triton"}
