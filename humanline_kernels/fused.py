@@ -424,8 +424,8 @@ def grpo(logits, labels, ref_logps, advantages, *, clip, beta, epsilon_low, epsi
     the default path runs instead (the gradient formed in the backward; with ``inplace_backward=True`` the logits
     are then overwritten in the backward). On sm_90 cards where a GPU run measured it faster, a thread-block
     cluster kernel forms the gradient with the row held on chip; elsewhere the Triton kernel does (docs/kernels.md,
-    "Dispatch"). With ``process_group`` (a vocabulary slice) it is not taken:
-    the gradient is formed in the backward.
+    "Dispatch"). With ``process_group`` (a vocabulary slice) it is not taken: the gradient is formed in the
+    backward.
     """
     p, norm = GRPO.of(clip=clip, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                       loss_type=loss_type, normalizer=normalizer,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 
 import torch
@@ -158,24 +157,15 @@ def _card_paths(card: str, dtype_key: str) -> tuple:
     return tuple(sorted(out))
 
 
-def _nearest_path(entries: tuple, V):
-    """The entry at the tabled size nearest ``V`` (by ratio) within a factor of 2, or None; integer arithmetic only,
-    so that a symbolic ``V`` under torch.compile compares too."""
+def _nearest_path(entries, V):
+    """The entry at the tabled size nearest ``V`` (by ratio) within a factor of 2 from ``((size, entry), ...)``, or
+    None; integer arithmetic only, so that a symbolic ``V`` under torch.compile compares too."""
     best, best_num, best_den = None, 0, 1
     for v, entry in entries:
         num, den = max(v, V), min(v, V)
         if num <= 2 * den and (best is None or num * best_den < best_num * den):
             best, best_num, best_den = entry, num, den
     return best
-
-
-def _nearest(entries, V: int):
-    """The entry at the tabled vocabulary nearest ``V`` within a factor of 2, or None (also for a malformed table)."""
-    try:
-        best = min(entries, key=lambda v: abs(math.log(int(v) / V)))
-        return entries[best] if abs(math.log(int(best) / V)) <= math.log(2) else None
-    except (TypeError, ValueError, AttributeError, KeyError):
-        return None
 
 
 def _changed():
@@ -192,10 +182,12 @@ def lookup(family: str, name, dtype_key, V: int):
     if name is None or family not in FAMILIES:
         return None
     try:
-        entries = table()["devices"][name][dtype_key][family]
-    except (KeyError, TypeError, AttributeError):
+        entries = [(int(v), e) for v, e in table()["devices"][name][dtype_key][family].items()]
+    except (KeyError, TypeError, AttributeError, ValueError):
         return None
-    return _valid(_nearest(entries, V))
+    if any(v <= 0 for v, _ in entries):  # a malformed table is no table
+        return None
+    return _valid(_nearest_path(entries, V))
 
 
 def _valid(entry):
