@@ -95,8 +95,16 @@ def parity(N, V, D, device="cuda", only=None):
     (``device="cpu"``: a small shape through the interpreter or the eager twins, as tests/bench/test_bench_cli.py runs
     it; ``only``: the rows whose name contains one of these strings, e.g. ``["cluster"]`` in a device call's
     script)."""
-    import humanline_kernels as hk
     from humanline_kernels.ops import tuning
+
+    # a grad_in_forward row checks the Triton kernel the option names, whatever the table chose for this card; the
+    # cluster rows force the cluster kernel inside this (the innermost forcing wins)
+    with tuning.forced_path("triton"):
+        return _parity(N, V, D, device, only)
+
+
+def _parity(N, V, D, device, only):
+    import humanline_kernels as hk
     dev, bf = device, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     B = 8
@@ -118,9 +126,7 @@ def parity(N, V, D, device="cuda", only=None):
         if only and not any(s in name for s in only):
             return
         leaf = wrt_bf.detach().clone().requires_grad_()
-        # a grad_in_forward row checks the kernel the option names, whatever the table chose for this card
-        with tuning.forced_path("triton") if "grad_in_forward" in name else contextlib.nullcontext():
-            out = loss_fn(leaf)
+        out = loss_fn(leaf)
         leaf_r = wrt_bf.detach().float().requires_grad_()
         out_r = ref_fn(leaf_r)
         if logp:
@@ -144,7 +150,7 @@ def parity(N, V, D, device="cuda", only=None):
 
     from humanline_kernels.ops import _jit, cluster
     # GRPO's gradient in the forward on the cluster kernel, forced (its table has no entry until measured): sm_90 only
-    on_cluster = dev == "cuda" and cluster.arch_ok(torch.device(dev))
+    on_cluster = cluster.arch_ok(torch.device(dev))  # (on CPU only where a test stands in for the launch)
     if dev == "cuda" and not on_cluster:
         print("  (the cluster kernel's rows: not on this card, sm_90 only)", flush=True)
 
@@ -186,10 +192,10 @@ def parity(N, V, D, device="cuda", only=None):
                            lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y), ref, adv, mask,
                                                               **kw)[0], x)
         if on_cluster:
-            kw = dict(clip=c, beta=0.04, temperature=0.7)
+            kw = dict(clip=c, beta=0.04)  # (the temperature is the log-probs' argument in the reference)
             on_the_cluster(f"fused.grpo grad_in_forward cluster inplace T=0.7 {tag}",
                            lambda z, kw=kw: hk.fused.grpo(z * 1, y, ref, adv, grad_in_forward=True,
-                                                          inplace_backward=True, **kw)[0],
+                                                          inplace_backward=True, temperature=0.7, **kw)[0],
                            lambda z, kw=kw: hk.reference.grpo(hk.reference.token_logprobs(z, y, temperature=0.7),
                                                               ref, adv, mask, **kw)[0], x)
         check(f"fused.dpo {tag}", lambda z, c=c: hk.fused.dpo(z, y, ref, clip=c)[0],

@@ -235,6 +235,7 @@ def stand_in(calls):
     """The cluster op's contract with Triton's row kernel behind it (interpreted): the same planes and gradient."""
     def launch(**kw):
         calls.append((kw.pop("ctas"), kw.pop("threads")))
+        _jit.LAUNCHES[("compiled", "gif_cluster")] += 1  # as the launcher counts its launch
         tok = kw.pop("tok")
         rows = kw["labels"].numel()
         TK._token_terms_launch(**kw, terms=2, n0=rows if tok is None else 0, off0=0, off1=0, tok=tok)
@@ -268,6 +269,16 @@ def test_path_around_the_kernel_matches_the_reference(cpu_cluster, loss_type, cl
     kernels = {k for _, k in _jit.LAUNCHES}
     assert "_grpo_fold_finalize_kernel" in kernels and "_grpo_finalize_kernel" in kernels  # reduction; weights
     assert "_grpo_loss_kernel" not in kernels
+
+
+def test_gpu_parity_stage_runs_its_cluster_rows_on_the_cluster_kernel(cpu_cluster):
+    """``bench gpu``'s cluster rows (code a GPU session runs unseen) reach the cluster kernel through the parity
+    stage's own forcing of the Triton kernel for the other grad_in_forward rows, and match the reference."""
+    from bench import bench_gpu
+    rows = bench_gpu.parity(N=64, V=56, D=16, device="cpu", only=["cluster"])
+    assert len(rows) == 12 and all("cluster" in r["case"] for r in rows)  # 4 loss types and in place, x 2; packed
+    assert not [r for r in rows if not r["ok"]]
+    assert len(cpu_cluster) == 12 and set(cpu_cluster) == {(4, 256)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
