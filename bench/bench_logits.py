@@ -29,6 +29,7 @@ import tempfile
 import torch
 
 from . import common
+from .bench_tune import CLUSTER
 from .cli import Parser
 
 VOCABS = (32000, 128256, 151936, 262144)
@@ -99,7 +100,7 @@ def _impls(x, y, ref, quick):
             with cluster.forced(ctas, threads):
                 return grad(hk.fused.grpo(wrt, y, ref, adv, beta=0.04, validate=False, grad_in_forward=True,
                                           **kw)[0], None, wrt)
-        for ctas, threads in ((1, 512), (2, 256), (4, 256), (4, 512), (8, 256)):
+        for ctas, threads in CLUSTER:  # the configurations bench tune times (its --from-logits reads these rows)
             if cluster.fits(x, None, ctas):
                 impls[f"hk.fused.grpo(grad_in_fwd,cluster {ctas}x{threads})"] = (
                     lambda c=ctas, t=threads: on_cluster(c, t), 2)

@@ -28,7 +28,6 @@ import time
 
 import torch
 
-ARMS = ("trl_dpo", "trl_sync", "trl_lookahead", "trl_dpo_compile", "trl_sync_compile")
 PAD, EOS, UNK = 0, 1, 2
 FIRST_ID = 3  # token ids below it are the tokenizer's specials; the batches draw theirs from [FIRST_ID, V)
 

@@ -224,7 +224,7 @@ def _cases():
         x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
         if labels_view:  # a labels[:, 1:] view (unaligned) as well as contiguous labels: separate specialisations
             y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]
-        aux = torch.empty((5 if kind == "grpo" else 4, *f.shape), dtype=torch.float32, device="meta")
+        aux = torch.empty((5 if kind in ("grpo", "fold") else 4, *f.shape), dtype=torch.float32, device="meta")
         if kind == "dpo":
             FK.dpo_finalize(f, aux, y, P.DPO())
         elif kind == "sequence":
@@ -234,18 +234,12 @@ def _cases():
             FK.kto_finalize(f, aux, y, P.KTO(clip=clip), inp)
         else:
             norm = torch.empty((), dtype=torch.float32, device="meta") if variant == "norm_tensor" else None
-            FK.grpo_finalize(None if variant == "weights" else f, aux, y, P.GRPO(loss_type="grpo"),
-                             P.GRPOInputs(adv, None, norm))
-
-    def fold_finalize(shape_name, variant, labels_view=True):
-        # the folded reduction in a launch of its own, after the cluster kernel (ops/cluster.py)
-        from humanline_kernels.ops import cluster
-        _x, y, f, adv, _ = tensors(shape_name, torch.bfloat16)
-        if labels_view:
-            y = torch.empty((y.shape[0], y.shape[1] + 1), dtype=torch.int64, device="meta")[:, 1:]
-        aux = torch.empty((5, *f.shape), dtype=torch.float32, device="meta")
-        norm = torch.empty((), dtype=torch.float32, device="meta") if variant == "norm_tensor" else None
-        cluster.grpo_fold_finalize(f, aux, y, P.GRPO(loss_type="grpo"), P.GRPOInputs(adv, None, norm))
+            inp = P.GRPOInputs(adv, None, norm)
+            if kind == "fold":  # the folded reduction in a launch of its own, after the cluster kernel (ops/cluster.py)
+                from humanline_kernels.ops import cluster
+                cluster.grpo_fold_finalize(f, aux, y, P.GRPO(loss_type="grpo"), inp)
+            else:
+                FK.grpo_finalize(None if variant == "weights" else f, aux, y, P.GRPO(loss_type="grpo"), inp)
 
     def sequence(shape_name, dtype, weights):
         # the sequence-level primitive through its public function: row kernel, sums kernel (with or without token
@@ -369,7 +363,7 @@ def _cases():
             cases.append((f"finalize {kind} {variant} {sn}", False, lambda s=sn, k=kind, v=variant: finalize(s, k, v)))
             if kind == "grpo" and variant != "weights":
                 cases.append((f"fold finalize grpo {variant} {sn}", False,
-                              lambda s=sn, v=variant: fold_finalize(s, v)))
+                              lambda s=sn, v=variant: finalize(s, "fold", v)))
             if sn == "aligned":
                 cases.append((f"finalize {kind} {variant} {sn} contiguous labels", False,
                               lambda s=sn, k=kind, v=variant: finalize(s, k, v, False)))
