@@ -53,15 +53,15 @@ def not_found_message(major, searched) -> str:
             f"`pip install {package}` for that CUDA version, or put the toolkit's libnvrtc on the library path.")
 
 
-def load_nvrtc(major=None, path=None) -> ctypes.CDLL:
-    """libnvrtc for CUDA ``major`` (default: torch's CUDA major), from ``path`` or the first of: the ``nvidia``
-    wheels (:func:`candidates`), the library search path (``libnvrtc.so.MAJOR``). Its builtins library (which
-    libnvrtc opens by name at the first compile) is loaded first from the same folder. Raises
-    :class:`NvrtcNotFound` naming what was searched."""
-    if major is None and path is None:
+def load_nvrtc(major=None) -> ctypes.CDLL:
+    """libnvrtc for CUDA ``major`` (default: torch's CUDA major), the first of: the ``nvidia`` wheels
+    (:func:`candidates`), the library search path (``libnvrtc.so.MAJOR``). Its builtins library (which libnvrtc
+    opens by name at the first compile) is loaded first from the same folder. Raises :class:`NvrtcNotFound` naming
+    what was searched."""
+    if major is None:
         major = _major(torch.version.cuda)
     searched = []
-    for cand in ([path] if path else candidates(major) + [f"libnvrtc.so.{major}" if major else "libnvrtc.so"]):
+    for cand in candidates(major) + [f"libnvrtc.so.{major}" if major else "libnvrtc.so"]:
         searched.append(cand)
         with _LOCK:
             if cand in _NVRTC:

@@ -27,9 +27,7 @@ CARD = "NVIDIA H200"
 @pytest.fixture
 def table():
     """Set the tuned table for a test (restored after)."""
-    def put(t):
-        tuning.set_table(t)
-    yield put
+    yield tuning.set_table
     tuning.set_table(None)
 
 
