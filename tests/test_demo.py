@@ -191,7 +191,9 @@ def test_demo_cli(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--steps", "0"], ["--device", "gpu"], ["--device", "cuda"],
-                                   ["--log-eps-p", "2", "--log-eps-r", "1"], ["--sync-every", "0"], ["--lrs", "-1"],
+                                   ["--log-eps-p", "2", "--log-eps-r", "1"], ["--log-eps-p", "0.5", "--log-eps-r", "1"],
+                                   ["--log-eps-r", "inf"], ["--log-eps-p", "nan"], ["--sync-every", "0"],
+                                   ["--lrs", "-1"],
                                    ["--lrs", "nan"], ["--lrs", "1e-3,0"], ["--lrs", ","], ["--batch", "3"],
                                    ["--batch", "x"], ["--seeds", "1"], ["--resample-every", "0"],
                                    ["--objective", "grpo", "--batch", "6"], ["--plot", "a{b}.png"],

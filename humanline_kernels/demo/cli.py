@@ -3,6 +3,7 @@ bad flag is a one-line error) and what a run prints, saves (``--save``) and adds
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 
@@ -12,6 +13,8 @@ import humanline_kernels as hk
 
 from . import arms, experiment, record
 
+# the flags' defaults are experiment.run's and HumanlineClip's (one place to change them)
+RUN_DEFAULTS = {k: v.default for k, v in inspect.signature(experiment.run).parameters.items()}
 DESCRIPTION = ("Humanline in miniature: offline vs offline+humanline vs online DPO / KTO / GRPO on a tiny Llama, "
                "tuned fairly.")
 
@@ -57,28 +60,32 @@ class _Parser(argparse.ArgumentParser):
 def parser():
     p = _Parser(prog="python -m humanline_kernels.demo", description=DESCRIPTION,
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--objective", choices=[*arms.OBJECTIVES, "all"], default="dpo",
+    p.add_argument("--objective", choices=[*arms.OBJECTIVES, "all"], default=RUN_DEFAULTS["objective"],
                    help="the loss to train; all: each in turn")
-    p.add_argument("--steps", type=_int_at_least(1), default=60, help="optimizer steps per run")
-    p.add_argument("--seeds", type=_int_at_least(2), default=8,
+    p.add_argument("--steps", type=_int_at_least(1), default=RUN_DEFAULTS["steps"],
+                   help="optimizer steps per run")
+    p.add_argument("--seeds", type=_int_at_least(2), default=RUN_DEFAULTS["seeds"],
                    help="seeds per arm and learning rate (how the default was chosen: docs/benchmarks.md)")
-    p.add_argument("--lrs", type=_lr_grid, default=experiment.DEFAULT_LRS, help="learning-rate grid, "
+    p.add_argument("--lrs", type=_lr_grid, default=RUN_DEFAULTS["lrs"], help="learning-rate grid, "
                    "comma-separated, the same for every arm")
-    p.add_argument("--seed", type=_int_at_least(0), default=0,
+    p.add_argument("--seed", type=_int_at_least(0), default=RUN_DEFAULTS["seed"],
                    help="base seed (behaviour model, starting policy, offline data)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=RUN_DEFAULTS["device"],
                    help="auto: cuda when available, else cpu")
-    p.add_argument("--batch", type=_int_at_least(arms.GROUP), default=16,
+    p.add_argument("--batch", type=_int_at_least(arms.GROUP), default=RUN_DEFAULTS["batch"],
                    help="sequences per step (dpo/kto: pairs x 2; grpo: groups of 4)")
     p.add_argument("--sync-every", type=_int_at_least(1), default=None,
                    help="humanline sync interval (default: 1 for dpo/kto, 12 for grpo)")
-    p.add_argument("--resample-every", type=_int_at_least(1), default=10,
+    p.add_argument("--resample-every", type=_int_at_least(1), default=RUN_DEFAULTS["resample_every"],
                    help="grpo: the offline arms draw the policy's samples this many times less often than online")
-    p.add_argument("--sft-steps", type=_int_at_least(0), default=100,
+    p.add_argument("--sft-steps", type=_int_at_least(0), default=RUN_DEFAULTS["sft_steps"],
                    help="SFT steps that fit the behaviour model and the starting policy")
-    p.add_argument("--eval-n", type=_int_at_least(16), default=256, help="samples per rule-rate evaluation")
-    p.add_argument("--log-eps-p", type=float, default=-1.5, help="lower end of the clip band")
-    p.add_argument("--log-eps-r", type=float, default=1.5, help="upper end of the clip band")
+    p.add_argument("--eval-n", type=_int_at_least(16), default=RUN_DEFAULTS["eval_n"],
+                   help="samples per rule-rate evaluation")
+    p.add_argument("--log-eps-p", type=float, default=hk.HumanlineClip.log_eps_p,
+                   help="lower end of the clip band")
+    p.add_argument("--log-eps-r", type=float, default=hk.HumanlineClip.log_eps_r,
+                   help="upper end of the clip band")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="where the plot of rule rate over steps is written ({objective} is substituted; default: "
                    "humanline-demo-{objective}.png, with --save demo-{objective}.png beside the record)")
@@ -115,8 +122,12 @@ def main(argv=None):
         return 0
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device (use --device cpu or auto)")
-    if not (a.log_eps_p <= a.log_eps_r) or any(v != v or abs(v) == float("inf") for v in (a.log_eps_p, a.log_eps_r)):
-        p.error(f"the clip band must be finite with --log-eps-p <= --log-eps-r, got [{a.log_eps_p}, {a.log_eps_r}]")
+    if any(abs(v) == float("inf") for v in (a.log_eps_p, a.log_eps_r)):  # (the library takes an open end)
+        p.error(f"the clip band must be finite, got [{a.log_eps_p}, {a.log_eps_r}]")
+    try:  # the library's rules (not NaN, ordered, around 0), as one line
+        clip = hk.HumanlineClip(a.log_eps_p, a.log_eps_r)
+    except ValueError as e:
+        p.error(f"--log-eps-p / --log-eps-r: {e}")
     objectives = arms.OBJECTIVES if a.objective == "all" else (a.objective,)
     if a.batch % 2 and set(objectives) & {"dpo", "kto"}:
         p.error(f"--batch must be even for {'dpo and kto' if a.objective == 'all' else a.objective} "
@@ -140,7 +151,7 @@ def main(argv=None):
     entries = []
     for objective in objectives:
         res = experiment.run(objective, a.steps, a.seeds, a.lrs, a.seed, a.device, a.batch, a.sft_steps, a.eval_n,
-                             clip=hk.HumanlineClip(a.log_eps_p, a.log_eps_r), sync_every=a.sync_every,
+                             clip=clip, sync_every=a.sync_every,
                              resample_every=a.resample_every,
                              plot_path=None if a.no_plot else plot.format(objective=objective), workers=a.workers,
                              quiet=a.quiet)
