@@ -506,7 +506,8 @@ def blocks(text):
 
 # ------------------------------------------------------------------------------------------------------- demo
 def _demo(name):
-    sys.path.insert(0, ROOT)  # the demo of this checkout, installed or not
+    if sys.path[:1] != [ROOT]:
+        sys.path.insert(0, ROOT)  # the demo of this checkout, installed or not
     return importlib.import_module(f"humanline_kernels.demo.{name}")
 
 
@@ -564,40 +565,36 @@ def demo_agreement(rec):
 def demo_block(rec, record_path):
     """README's demo section between its markers: the default runs' header (the CPU model among it), their table,
     whether their conclusions hold under other rounding (:func:`demo_agreement`), and where the rest is."""
-    import textwrap
     main = _default_runs(rec)
     if not main:
         return f"`{record_path}` holds no default run: rerun `python -m humanline_kernels.demo --objective all --save`."
-    out = [_demo_header(rec, record_path), "", _demo("record").table(main, _rounded_otherwise(rec))]
-    rest = (demo_agreement(rec) + " " if demo_agreement(rec) else "") + (
+    agreement = demo_agreement(rec)
+    rest = (agreement + " " if agreement else "") + (
         "Every run of the record, with flags or another environment, and the plots: "
         "[docs/benchmarks.md](docs/benchmarks.md).")
-    out += ["", rest]
-    return "\n".join(textwrap.fill(p, 116, break_long_words=False, break_on_hyphens=False)
-                     if not p.startswith("|") else p for p in out)
+    return _wrap("\n\n".join([_demo_header(rec, record_path), _demo("record").table(main, _rounded_otherwise(rec)),
+                               rest]))
 
 
 def demo_runs(rec, record_path):
     """docs/benchmarks.md's demo section: the default runs' header and table, whether their conclusions hold under
     other rounding, every other run of the record, and the plots beside the record."""
-    import textwrap
     table = _demo("record").table
     main, other = _default_runs(rec), [e for e in rec["runs"] if e["flags"] or e["env"]]
     out = []
     if main:
-        out += [_demo_header(rec, record_path), "", table(main, _rounded_otherwise(rec))]
-        if demo_agreement(rec):
-            out += ["", demo_agreement(rec)]
+        out += [_demo_header(rec, record_path), table(main, _rounded_otherwise(rec))]
+        agreement = demo_agreement(rec)
+        if agreement:
+            out.append(agreement)
     if other:
-        out += ["", "Other runs in the same record (the flags or environment shown, everything else the default):",
-                "", table(other)]
-    for objective in ("dpo", "kto", "grpo"):
+        out += ["Other runs in the same record (the flags or environment shown, everything else the default):",
+                table(other)]
+    for objective in _demo("arms").OBJECTIVES:
         png = os.path.join(os.path.dirname(record_path), f"demo-{objective}.png")
         if os.path.exists(os.path.join(ROOT, png)):
-            out += ["", f"![{objective.upper()}: rule rate over training, each arm at its best learning rate]"
-                        f"({png})"]
-    return "\n".join(textwrap.fill(p, 116, break_long_words=False, break_on_hyphens=False)
-                     if p and not p.startswith(("|", "![")) else p for p in out)
+            out.append(f"![{objective.upper()}: rule rate over training, each arm at its best learning rate]({png})")
+    return _wrap("\n\n".join(out))
 
 
 # ------------------------------------------------------------------------------------------------------ pages
@@ -611,7 +608,7 @@ def expected(kind, arg, page="README.md"):
     else:
         with open(os.path.join(ROOT, arg), encoding="utf-8") as f:
             text = (demo_block if kind == "demo-table" else demo_runs)(json.load(f), arg)
-    up = "../" if os.path.basename(page) in ("benchmarks.md",) else ""  # docs/ pages link one level up
+    up = "../" * os.path.normpath(page).count(os.sep)  # a page in docs/ links one level up
     return re.sub(r"\]\((?=bench/|docs/)", f"]({up}", text) if up else text
 
 

@@ -74,9 +74,8 @@ def kto_batch(chosen, rejected, use=None):
     return {**b, "desirable": desirable, "kl_seqs": kl, "kl_labels": task.labels_for(kl)}
 
 
-def _token_logps(model, seqs, labels, grad):
-    with torch.set_grad_enabled(grad):
-        return hk.token_logprobs(model(seqs, use_cache=False).logits[:, :-1], labels)
+def _token_logps(model, seqs, labels):
+    return hk.token_logprobs(model(seqs, use_cache=False).logits[:, :-1], labels)
 
 
 class Source:
@@ -94,7 +93,7 @@ class Source:
         if self.objective == "grpo":  # the sampling policy's log-probs: the ratio's denominator off-policy
             ex["labels"] = task.labels_for(ex["seqs"])
             with torch.no_grad():
-                ex["old_logps"] = _token_logps(policy, ex["seqs"], ex["labels"], False)
+                ex["old_logps"] = _token_logps(policy, ex["seqs"], ex["labels"])
         self.sample_s += time.perf_counter() - t
         return ex
 
@@ -140,10 +139,10 @@ def train_arm(arm, objective, start, pool, *, lr, seed, steps, batch, clip, sync
         b = source.next(step, policy)
         with torch.no_grad():
             if objective != "grpo" or humanline:
-                ref_logps = _token_logps(reference, b["seqs"], b["labels"], False)
+                ref_logps = _token_logps(reference, b["seqs"], b["labels"])
             if objective == "kto":
-                kl_ref = _token_logps(reference, b["kl_seqs"], b["kl_labels"], False)
-                kl_pol = _token_logps(policy, b["kl_seqs"], b["kl_labels"], False)
+                kl_ref = _token_logps(reference, b["kl_seqs"], b["kl_labels"])
+                kl_pol = _token_logps(policy, b["kl_seqs"], b["kl_labels"])
         if syncer is not None:
             syncer.start()  # after the last reference forward of this step
         logits = policy(b["seqs"], use_cache=False).logits[:, :-1]

@@ -50,8 +50,7 @@ def entry(result, flags):
                 for arm, b in result["best"].items()}
     return {"objective": info["objective"], "flags": list(flags),
             "env": {k: os.environ[k] for k in NUMERIC_ENV if k in os.environ},
-            "settings": {**{k: info[k] for k in ("steps", "seeds", "lrs", "seed", "batch", "sync_every",
-                                                  "resample_every", "sft_steps", "eval_n")},
+            "settings": {**{k: info[k] for k in SETTINGS if k in info},  # (the band's ends: "clip")
                          "clip": [info["clip"].log_eps_p, info["clip"].log_eps_r]},
             "machine": {"device": info["device"], "cpu": canary.cpu_key() if info["device"] == "cpu" else None,
                         "cpu_capability": info["cpu"], "processes": info["workers"],
