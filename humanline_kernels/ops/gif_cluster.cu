@@ -14,7 +14,7 @@
 //
 // The math follows the Triton device functions of ops/common.py one-to-one (cited at each step): row_stats and
 // stats_step (the softmax statistics), row_logp, row_terms (MODE 2: GRPO's terms), grad_row and row_grad_store
-// (the gradient). The GPU tests (tests/test_gif_cluster.py) hold both to hk.reference.
+// (the gradient). The GPU tests (tests/ops/test_gif_cluster.py) hold both to hk.reference.
 //
 // No #include: NVRTC compiles this with its built-in declarations only (a user's machine has no CUDA headers).
 // ops/cluster.py appends the entry point of one configuration (HK_GIF_CLUSTER) and static_asserts of the Params
