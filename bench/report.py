@@ -191,9 +191,9 @@ def _masks(d, run):
 
 
 def _sync(found, _run):
-    """``found``: file name -> (JSON, its run) or None."""
+    """``found``: file name -> (its run, JSON) or None."""
     out = []
-    copy, run = found.get("sync_copy.json") or (None, None)
+    run, copy = found.get("sync_copy.json") or (None, None)
     if copy:
         m = copy["meta"]
         pairs = list(dict.fromkeys((r["src"], r["dst"]) for r in copy["rows"]))
@@ -210,7 +210,7 @@ def _sync(found, _run):
                         "compute stand-in)"),
                        ("sync_fsdp2.json", "an FSDP2 training step ({layers} layers, hidden {hidden}, {tokens} "
                         "tokens)")):
-        d, where = found.get(name) or (None, None)
+        where, d = found.get(name) or (None, None)
         if d:
             body = [[f"`{r['impl']}`", _ms(r["ms"]), "" if r.get("added_pct") is None else f"{r['added_pct']:+.1f} %"]
                     for r in d["rows"]]
@@ -302,12 +302,12 @@ def _find(run, files):
 def shown(runs):
     """The calls the Benchmarks section shows for ``runs`` (newest first), by section title: a list of ``(run,
     data)``, the section's own call first (logits path: then quack's call; end to end: then the older runs with
-    arms the newer ones lack); reference sync: ``{file: (data, run) or None}``, each file from the newest run that
+    arms the newer ones lack); reference sync: ``{file: (run, data) or None}``, each file from the newest run that
     has it (a run may skip some)."""
     out = {}
     for title, files, _ in SECTIONS:
         if title == "reference sync":
-            out[title] = {f: next(((d, r) for r in runs if (d := _load(r, f)) is not None), None) for f in files}
+            out[title] = {f: next(((r, d) for r in runs if (d := _load(r, f)) is not None), None) for f in files}
             continue
         out[title] = []
         for k, run in enumerate(runs):
@@ -470,7 +470,7 @@ def headline(runs):
     for what, section, rows_of, is_ours, is_peer, better in HEADLINE:
         if isinstance(section, tuple):
             found = calls[section[0]].get(section[1])
-            candidates = [found[::-1]] if found else []
+            candidates = [found] if found else []
         else:
             candidates = calls[section]
         picked = []

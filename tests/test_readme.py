@@ -84,6 +84,8 @@ def test_headline_takes_the_best_peer_of_the_calls_shown():
     tables = [line for line in (report.render(runs) + report.headline(runs)).splitlines() if line.startswith("|")]
     assert not [line for line in tables if "[previous]" in line]
     assert "hk.fused[previous]" in _page("bench/results/2026-11-28-h200-run11/logits.json")  # kept in the JSON
+
+
 def test_report_adds_quack_and_the_arms_the_newest_e2e_lacks():
     """Run 9 (H200) ran quack in a call of its own (``quack/logits.json``) and no TRL arm: its logits section holds
     quack's table beside the main one, vocabularies in ascending order, and its e2e section is followed by run 6's

@@ -142,10 +142,9 @@ def main(argv=None):
         p.error(f"--plot: only {{objective}} may be substituted in the path, got {a.plot!r}")
     if a.save and os.path.isdir(a.save):
         p.error(f"--save: {a.save!r} is a directory; give the record's file name (e.g. {a.save}/demo.json)")
-    defaults = p.parse_args([])
     flags = []
     for k in record.SETTINGS:  # the flags that change what is measured, as the record and README's table show them
-        v, d = getattr(a, k), getattr(defaults, k)
+        v, d = getattr(a, k), p.get_default(k)
         if v != d:
             flags += ["--" + k.replace("_", "-"), ",".join(f"{x:g}" for x in v) if k == "lrs" else f"{v:g}"]
     entries = []
